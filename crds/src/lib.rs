@@ -1,0 +1,44 @@
+//! Custom resource types of Switchyard, shared by the operator, the node agent and the tests.
+//!
+//! Two cluster-scoped kinds in group `switchyard.dev`, version `v1alpha1`:
+//! - [`v1alpha1::ProxyPolicy`]: a node pool, the proxy mode it should run, how to roll it out and
+//!   how to judge health. Written by people (or GitOps); its status by the operator.
+//! - [`v1alpha1::NodeProxy`]: one per node. Its spec is written by the operator only (desired mode and
+//!   effective settings), its status by that node's agent only (capabilities, active mode, switch phase).
+//!
+//! The YAML in `config/crd/` and `helm/switchyard/crds/` is generated from these types by `crdgen`
+//! ([`crd_yaml`]) and checked for staleness by a test.
+
+pub mod consts;
+pub mod v1alpha1;
+
+use kube::CustomResourceExt;
+
+/// Errors of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A CRD could not be serialised to YAML.
+    #[error("cannot serialise CRD {name} to YAML: {source}")]
+    Yaml {
+        /// CRD name.
+        name: String,
+        /// Underlying serialiser error.
+        #[source]
+        source: serde_yaml::Error,
+    },
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every CRD Switchyard installs, as `(file name, YAML text)`, in a stable order.
+pub fn crd_yaml() -> Result<Vec<(String, String)>> {
+    let crds = [v1alpha1::ProxyPolicy::crd(), v1alpha1::NodeProxy::crd()];
+    crds.into_iter()
+        .map(|crd| {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            let body = serde_yaml::to_string(&crd).map_err(|source| Error::Yaml { name: name.clone(), source })?;
+            Ok((format!("{name}.yaml"), format!("{}\n{body}", consts::GENERATED_HEADER)))
+        })
+        .collect()
+}

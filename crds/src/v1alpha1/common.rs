@@ -1,0 +1,245 @@
+//! Types used by both kinds: the proxy mode, proxy settings and health-gate targets.
+
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+
+/// A Linux service-proxy data plane.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ProxyMode {
+    /// iptables: `SWY-*` chains in the nat and filter tables, loaded with `iptables-restore --noflush`.
+    Iptables,
+    /// IPVS: kernel virtual servers plus the `swy-ipvs0` dummy link and `SWY-*` ipsets.
+    /// Deprecated upstream since Kubernetes v1.35; use it to migrate off, not to migrate onto.
+    Ipvs,
+    /// nftables: the `switchyard` table (ip and ip6 families). Needs kernel 5.13 or newer.
+    Nftables,
+}
+
+impl ProxyMode {
+    /// All modes, in a stable order.
+    pub const ALL: [ProxyMode; 3] = [ProxyMode::Iptables, ProxyMode::Ipvs, ProxyMode::Nftables];
+
+    /// The lowercase name used in the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyMode::Iptables => "iptables",
+            ProxyMode::Ipvs => "ipvs",
+            ProxyMode::Nftables => "nftables",
+        }
+    }
+}
+
+impl std::fmt::Display for ProxyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// IPVS scheduling algorithm (see ipvsadm(8)).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum IpvsScheduler {
+    /// Round robin.
+    #[default]
+    Rr,
+    /// Weighted round robin.
+    Wrr,
+    /// Least connection.
+    Lc,
+    /// Weighted least connection.
+    Wlc,
+    /// Source hashing: a client address always reaches the same real server.
+    Sh,
+    /// Destination hashing.
+    Dh,
+    /// Shortest expected delay.
+    Sed,
+    /// Never queue.
+    Nq,
+    /// Maglev hashing.
+    Mh,
+}
+
+/// Proxy settings: the KubeProxyConfiguration fields a Switchyard user needs. Every field is
+/// optional; the agent uses kube-proxy's default where a field is absent.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.minSyncPeriodSeconds) || !has(self.syncPeriodSeconds) || self.minSyncPeriodSeconds <= self.syncPeriodSeconds").message("proxy.minSyncPeriodSeconds must not exceed proxy.syncPeriodSeconds"))]
+pub struct ProxySettings {
+    /// Pod CIDR of the cluster (e.g. 10.244.0.0/16). Traffic to a Service from outside it is
+    /// masqueraded. Optional: without it, only traffic that needs it for correctness is masqueraded.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "clusterCIDR")]
+    #[x_kube(validation = Rule::new("isCIDR(self)").message("proxy.clusterCIDR must be a CIDR such as 10.244.0.0/16"))]
+    pub cluster_cidr: Option<String>,
+
+    /// Node addresses on which NodePorts are served: CIDRs, or the word `primary` for the node's
+    /// primary addresses. Empty means all local addresses in iptables and IPVS mode, and `primary` in
+    /// nftables mode (kube-proxy's defaults).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[x_kube(validation = Rule::new("self.all(a, a == 'primary' || isCIDR(a))").message("proxy.nodePortAddresses entries must be CIDRs or 'primary'"))]
+    pub node_port_addresses: Vec<String>,
+
+    /// Masquerade (SNAT) all traffic to Service addresses, not only traffic that needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masquerade_all: Option<bool>,
+
+    /// Minimum seconds between two syncs of the rules; changes arriving faster are batched.
+    /// Default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub min_sync_period_seconds: Option<u32>,
+
+    /// Seconds between full resyncs that repair drift. Default 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub sync_period_seconds: Option<u32>,
+
+    /// Allow NodePorts on 127.0.0.1 (iptables mode only; needs `route_localnet`). Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub localhost_node_ports: Option<bool>,
+
+    /// Handle only Services labelled `service.kubernetes.io/service-proxy-name` with this value.
+    /// Absent: handle only Services without that label, as kube-proxy does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub service_proxy_name: Option<String>,
+
+    /// Connection-tracking settings written to the node's sysctls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<ConntrackSettings>,
+
+    /// Settings used only in IPVS mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipvs: Option<IpvsSettings>,
+}
+
+/// Connection-tracking sysctls, as in KubeProxyConfiguration's `conntrack`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConntrackSettings {
+    /// Conntrack entries per CPU core (nf_conntrack_max = maxPerCore × cores, at least `min`). 0 leaves
+    /// the kernel's value alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub max_per_core: Option<i32>,
+    /// Lower bound for nf_conntrack_max.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub min: Option<i32>,
+    /// nf_conntrack_tcp_timeout_established, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub tcp_established_timeout_seconds: Option<i32>,
+    /// nf_conntrack_tcp_timeout_close_wait, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub tcp_close_wait_timeout_seconds: Option<i32>,
+    /// nf_conntrack_tcp_be_liberal: accept out-of-window TCP packets instead of marking them invalid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_be_liberal: Option<bool>,
+    /// nf_conntrack_udp_timeout, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub udp_timeout_seconds: Option<i32>,
+    /// nf_conntrack_udp_timeout_stream, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub udp_stream_timeout_seconds: Option<i32>,
+}
+
+/// Settings of IPVS mode, as in KubeProxyConfiguration's `ipvs`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IpvsSettings {
+    /// Scheduling algorithm of every virtual service. Default rr.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler: Option<IpvsScheduler>,
+    /// Set arp_ignore=1 and arp_announce=2 so the node does not answer ARP for service addresses on
+    /// the dummy link (needed with MetalLB L2). Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strict_arp: Option<bool>,
+    /// CIDRs whose IPVS services Switchyard must never touch or clean up.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(c, isCIDR(c))").message("proxy.ipvs.excludeCIDRs entries must be CIDRs"))]
+    #[serde(rename = "excludeCIDRs")]
+    pub exclude_cidrs: Vec<String>,
+    /// IPVS TCP session timeout in seconds (0 leaves the kernel's value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub tcp_timeout_seconds: Option<i32>,
+    /// IPVS TCP FIN_WAIT timeout in seconds (0 leaves the kernel's value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub tcp_fin_timeout_seconds: Option<i32>,
+    /// IPVS UDP timeout in seconds (0 leaves the kernel's value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub udp_timeout_seconds: Option<i32>,
+}
+
+/// Services the health gate connects to from each switched node. `default/kubernetes` is always
+/// probed in addition.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.name) != has(self.selector)").message("a probe target sets exactly one of name and selector"))]
+pub struct ProbeTarget {
+    /// Namespace of the Service(s).
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+    /// Name of one Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub name: Option<String>,
+    /// Label selector choosing Services in the namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>,
+}
+
+/// How a switched node proves its data plane healthy before the rollout goes on.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.minHealthySeconds < self.timeoutSeconds").message("healthGate.minHealthySeconds must be less than healthGate.timeoutSeconds"))]
+pub struct HealthGate {
+    /// Services to connect to from the node (through the new data plane). `default/kubernetes` is
+    /// always added.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub probes: Vec<ProbeTarget>,
+    /// Seconds the probes must keep succeeding after the cut-over before the node counts as healthy.
+    #[serde(default = "default_min_healthy_seconds")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub min_healthy_seconds: u32,
+    /// Seconds a node may take from the start of its switch to healthy; past it the switch fails and
+    /// the node rolls back.
+    #[serde(default = "default_gate_timeout_seconds")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub timeout_seconds: u32,
+    /// Consecutive failed probe rounds that fail the switch at once.
+    #[serde(default = "default_failure_threshold")]
+    #[schemars(range(min = 1, max = 100))]
+    pub failure_threshold: u32,
+}
+
+impl Default for HealthGate {
+    fn default() -> Self {
+        Self {
+            probes: Vec::new(),
+            min_healthy_seconds: default_min_healthy_seconds(),
+            timeout_seconds: default_gate_timeout_seconds(),
+            failure_threshold: default_failure_threshold(),
+        }
+    }
+}
+
+fn default_min_healthy_seconds() -> u32 {
+    10
+}
+fn default_gate_timeout_seconds() -> u32 {
+    300
+}
+fn default_failure_threshold() -> u32 {
+    3
+}

@@ -1,0 +1,9 @@
+//! `switchyard.dev/v1alpha1`: ProxyPolicy, NodeProxy and the types they share.
+
+mod common;
+mod node_proxy;
+mod proxy_policy;
+
+pub use common::*;
+pub use node_proxy::*;
+pub use proxy_policy::*;

@@ -1,0 +1,52 @@
+//! Switchyard node agent: the service proxy on one node.
+//!
+//! ```text
+//!  kube-apiserver ──► report (NodeProxy status, SSA)        ◄── probe (HostFacts → Capabilities)
+//!                                                                   │
+//!                                                                  sys (netlink, iptables, files)
+//! ```
+//! Only [`sys`] touches the kernel; [`probe`] decides from gathered facts; [`report`] talks to the API.
+
+pub mod probe;
+pub mod report;
+pub mod sys;
+
+/// Errors of the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A netlink socket operation failed.
+    #[error("netlink {op}: {source}")]
+    Netlink {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A Kubernetes API call failed.
+    #[error("{action}: {source}")]
+    Kube {
+        /// What was being done.
+        action: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The agent's configuration is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// Result alias of the agent.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Short label for metrics (bounded cardinality).
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Netlink { .. } => "netlink",
+            Error::Kube { .. } => "kube",
+            Error::Config(_) => "config",
+        }
+    }
+}

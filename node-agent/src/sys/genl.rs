@@ -1,0 +1,61 @@
+//! Generic netlink: family resolution (the IPVS probe). The IPVS backend's commands build on it.
+
+use super::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Transport};
+use crate::Result;
+
+const GENL_ID_CTRL: u16 = 0x10;
+const CTRL_CMD_GETFAMILY: u8 = 3;
+const CTRL_ATTR_FAMILY_ID: u16 = 1;
+const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+const NETLINK_GENERIC: isize = 16;
+
+/// Resolves a generic-netlink family by name: `Ok(Ok(id))`, or `Ok(Err(reason))` when the kernel
+/// does not know it.
+pub fn resolve_family(name: &str) -> Result<std::result::Result<u16, String>> {
+    let transport = Transport::open(NETLINK_GENERIC)?;
+    let request = MessageBuilder::new(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, 1, &[CTRL_CMD_GETFAMILY, 1, 0, 0])
+        .attr_str(CTRL_ATTR_FAMILY_NAME, name)
+        .finish();
+    let replies = transport.request(&request, &[1])?;
+    if let Some(errno) = replies.iter().find_map(|r| r.error.filter(|e| *e != 0)) {
+        return Ok(Err(format!(
+            "generic netlink family {name}: {}",
+            std::io::Error::from_raw_os_error(-errno)
+        )));
+    }
+    let id = replies
+        .iter()
+        .filter(|r| r.kind == GENL_ID_CTRL)
+        .find_map(|r| find_attr(r.payload.get(4..).unwrap_or_default(), CTRL_ATTR_FAMILY_ID))
+        .and_then(|v| v.get(0..2).map(|b| u16::from_ne_bytes([b[0], b[1]])));
+    Ok(id.ok_or_else(|| format!("generic netlink family {name}: no id in the kernel's answer")))
+}
+
+/// Finds the payload of the first top-level attribute of `kind`; malformed input yields `None`.
+pub fn find_attr(mut attrs: &[u8], kind: u16) -> Option<&[u8]> {
+    while attrs.len() >= 4 {
+        let len = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
+        let k = u16::from_ne_bytes([attrs[2], attrs[3]]) & 0x3fff;
+        if len < 4 || len > attrs.len() {
+            return None;
+        }
+        if k == kind {
+            return Some(&attrs[4..len]);
+        }
+        attrs = &attrs[((len + 3) & !3).min(attrs.len())..];
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn find_attr_walks_padded_attributes_and_rejects_garbage() {
+        let attrs = [6, 0, 2, 0, b'x', 0, 0, 0, 6, 0, 1, 0, 0x2a, 0, 0, 0];
+        assert_eq!(find_attr(&attrs, 1), Some(&[0x2a, 0][..]));
+        assert_eq!(find_attr(&attrs, 9), None);
+        assert_eq!(find_attr(&[200, 0, 1, 0], 1), None);
+    }
+}

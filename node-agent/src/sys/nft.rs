@@ -1,0 +1,62 @@
+//! nf_tables over netlink. For now: the capability probe's throwaway table. The nftables backend
+//! builds its transactions on the same batch framing.
+
+use super::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, Transport};
+use crate::Result;
+
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_DELTABLE: u16 = 2;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_FLAGS: u16 = 2;
+const NFT_TABLE_F_DORMANT: u32 = 1;
+/// `NFPROTO_INET`.
+pub const NFPROTO_INET: u8 = 1;
+const NETLINK_NETFILTER: isize = 12;
+
+/// The 4-byte `nfgenmsg` header.
+fn nfgenmsg(family: u8, res_id: u16) -> [u8; 4] {
+    let id = res_id.to_be_bytes();
+    [family, 0, id[0], id[1]]
+}
+
+fn nft_kind(msg: u16) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | msg
+}
+
+/// Wraps `messages` (already carrying sequence numbers `1..`) in a batch begin/end pair.
+fn batch(messages: Vec<Vec<u8>>, last_seq: u32) -> Vec<u8> {
+    let mut out = MessageBuilder::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, &nfgenmsg(0, NFNL_SUBSYS_NFTABLES)).finish();
+    for m in messages {
+        out.extend_from_slice(&m);
+    }
+    out.extend(MessageBuilder::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, last_seq + 1, &nfgenmsg(0, NFNL_SUBSYS_NFTABLES)).finish());
+    out
+}
+
+/// Creates a dormant table `name` and deletes it again, each in its own transaction. Returns
+/// `Ok(None)` when the kernel accepted both, `Ok(Some(reason))` when it refused.
+pub fn try_throwaway_table(name: &str) -> Result<Option<String>> {
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let create = MessageBuilder::new(nft_kind(NFT_MSG_NEWTABLE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE, 1, &nfgenmsg(NFPROTO_INET, 0))
+        .attr_str(NFTA_TABLE_NAME, name)
+        .attr_u32_be(NFTA_TABLE_FLAGS, NFT_TABLE_F_DORMANT)
+        .finish();
+    if let Some(reason) = first_error(&transport, batch(vec![create], 1), 1, "create table")? {
+        return Ok(Some(reason));
+    }
+    let delete = MessageBuilder::new(nft_kind(NFT_MSG_DELTABLE), NLM_F_REQUEST | NLM_F_ACK, 1, &nfgenmsg(NFPROTO_INET, 0))
+        .attr_str(NFTA_TABLE_NAME, name)
+        .finish();
+    first_error(&transport, batch(vec![delete], 1), 1, "delete table")
+}
+
+fn first_error(transport: &Transport, request: Vec<u8>, seq: u32, what: &str) -> Result<Option<String>> {
+    let replies = transport.request(&request, &[seq])?;
+    Ok(replies
+        .iter()
+        .find_map(|r| r.error.filter(|e| *e != 0))
+        .map(|errno| format!("{what}: {}", std::io::Error::from_raw_os_error(-errno))))
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Builds etcd and kube-apiserver with Go from the Go module registry into a cache
+# directory outside git (default ~/.cache/switchyard), reusing binaries already built.
+# Prints the bin directory on its last line of stdout.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=versions.env
+. "$here/versions.env"
+
+cache=${SWITCHYARD_CACHE:-$HOME/.cache/switchyard}
+bin="$cache/bin/k8s-$KUBERNETES_VERSION"
+mkdir -p "$bin"
+
+if ! command -v go >/dev/null 2>&1; then
+  for g in /usr/local/go/bin/go /usr/lib/go/bin/go; do [ -x "$g" ] && PATH="$(dirname "$g"):$PATH" && break; done
+fi
+command -v go >/dev/null 2>&1 || { echo "switchyard: Go toolchain not found: cannot build kube-apiserver/etcd for the test control plane (install Go >= 1.25)" >&2; exit 1; }
+
+export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
+export GOPATH="$cache/go" GOMODCACHE="$cache/go/mod" GOCACHE="$cache/go/build-cache"
+
+log() { echo "[build-control-plane $(date +%H:%M:%S)] $*" >&2; }
+fail_registry() { echo "switchyard: cannot fetch $1 from the Go module registry (no network or registry unavailable): see $2" >&2; exit 1; }
+
+build_etcd() {
+  local out="$bin/etcd" dir="$cache/gobuild/etcd-$ETCD_VERSION"
+  [ -x "$out" ] && return 0
+  log "building etcd $ETCD_VERSION (cold builds take a few minutes)"
+  mkdir -p "$dir"
+  cat > "$dir/go.mod" <<MOD
+module switchyard.local/etcd
+go 1.25
+require go.etcd.io/etcd/server/v3 $ETCD_VERSION
+MOD
+  (cd "$dir" && go mod download go.etcd.io/etcd/server/v3 >"$dir/download.log" 2>&1) || fail_registry "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "$dir/download.log"
+  (cd "$dir" && go build -trimpath -o "$out.tmp" go.etcd.io/etcd/server/v3) && mv "$out.tmp" "$out"
+  log "etcd ready: $out"
+}
+
+build_kube() {
+  local dir="$cache/gobuild/kubernetes-$KUBERNETES_VERSION"
+  [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kubectl" ] && return 0
+  log "building kube-apiserver and kubectl $KUBERNETES_VERSION (cold build: 10+ minutes on 2 cores)"
+  mkdir -p "$dir"
+  local modfile
+  modfile=$(cd "$dir" && printf 'module switchyard.local/x\ngo 1.25\n' > go.mod && go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" 2>"$dir/download.log" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p') || true
+  [ -n "$modfile" ] && [ -f "$modfile" ] || fail_registry "k8s.io/kubernetes@$KUBERNETES_VERSION" "$dir/download.log"
+  local staging="v0.${KUBERNETES_VERSION#v1.}"
+  {
+    echo "module switchyard.local/kubernetes"
+    echo "go 1.25"
+    echo "require k8s.io/kubernetes $KUBERNETES_VERSION"
+    echo "replace ("
+    # k8s.io/kubernetes replaces its staging modules with local paths; map each to its published version.
+    sed -n '/^replace (/,/^)/p' "$modfile" | sed -n "s#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\t\1 => \1 $staging#p"
+    echo ")"
+  } > "$dir/go.mod"
+  local cmd
+  for cmd in kube-apiserver kubectl; do
+    [ -x "$bin/$cmd" ] && continue
+    (cd "$dir" && go build -trimpath -o "$bin/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd") && mv "$bin/$cmd.tmp" "$bin/$cmd"
+    log "$cmd ready: $bin/$cmd"
+  done
+}
+
+build_etcd
+build_kube
+echo "$bin"
