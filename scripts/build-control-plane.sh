@@ -8,7 +8,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 . "$here/versions.env"
 
 cache=${SWITCHYARD_CACHE:-$HOME/.cache/switchyard}
-bin="$cache/bin/k8s-$KUBERNETES_VERSION"
+# Bump RECIPE when the way binaries are built changes, so caches rebuild.
+RECIPE=2
+bin="$cache/bin/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-r$RECIPE"
 mkdir -p "$bin"
 
 if ! command -v go >/dev/null 2>&1; then
@@ -33,7 +35,7 @@ go 1.25
 require go.etcd.io/etcd/server/v3 $ETCD_VERSION
 MOD
   (cd "$dir" && go mod download go.etcd.io/etcd/server/v3 >"$dir/download.log" 2>&1) || fail_registry "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "$dir/download.log"
-  (cd "$dir" && go build -trimpath -o "$out.tmp" go.etcd.io/etcd/server/v3) && mv "$out.tmp" "$out"
+  (cd "$dir" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" go.etcd.io/etcd/server/v3) && mv "$out.tmp" "$out"
   log "etcd ready: $out"
 }
 
@@ -58,7 +60,12 @@ build_kube() {
   local cmd
   for cmd in kube-apiserver kubectl; do
     [ -x "$bin/$cmd" ] && continue
-    (cd "$dir" && go build -trimpath -o "$bin/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd") && mv "$bin/$cmd.tmp" "$bin/$cmd"
+    local minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
+    local ldflags="-s -w"
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+      ldflags="$ldflags -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+    done
+    (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$bin/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd") && mv "$bin/$cmd.tmp" "$bin/$cmd"
     log "$cmd ready: $bin/$cmd"
   done
 }

@@ -17,6 +17,15 @@ use kube::CustomResourceExt;
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A CRD could not be serialised to JSON.
+    #[error("cannot serialise CRD {name} to JSON: {source}")]
+    Json {
+        /// CRD name.
+        name: String,
+        /// Underlying serialiser error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A CRD could not be serialised to YAML.
     #[error("cannot serialise CRD {name} to YAML: {source}")]
     Yaml {
@@ -28,6 +37,25 @@ pub enum Error {
     },
 }
 
+/// Joins the hard-wrapped lines of doc comments so `kubectl explain` can wrap them itself;
+/// blank lines (paragraphs) stay.
+fn unwrap_descriptions(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, v) in map.iter_mut() {
+                match v {
+                    serde_json::Value::String(text) if key == "description" => {
+                        *text = text.split("\n\n").map(|p| p.split('\n').map(str::trim).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n\n");
+                    }
+                    _ => unwrap_descriptions(v),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(unwrap_descriptions),
+        _ => {}
+    }
+}
+
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -37,7 +65,9 @@ pub fn crd_yaml() -> Result<Vec<(String, String)>> {
     crds.into_iter()
         .map(|crd| {
             let name = crd.metadata.name.clone().unwrap_or_default();
-            let body = serde_yaml::to_string(&crd).map_err(|source| Error::Yaml { name: name.clone(), source })?;
+            let mut value = serde_json::to_value(&crd).map_err(|e| Error::Json { name: name.clone(), source: e })?;
+            unwrap_descriptions(&mut value);
+            let body = serde_yaml::to_string(&value).map_err(|source| Error::Yaml { name: name.clone(), source })?;
             Ok((format!("{name}.yaml"), format!("{}\n{body}", consts::GENERATED_HEADER)))
         })
         .collect()

@@ -1,1 +1,88 @@
-//! placeholder
+//! End-to-end harness for Switchyard: a real etcd + kube-apiserver ([`controlplane`]), nodes that
+//! are network namespaces with a real kernel data path ([`netns`]), and the project's own binaries
+//! ([`binaries`]). Everything it starts it stops, also on panic (Drop), and a new run sweeps what a
+//! crashed run left behind ([`sweep`]).
+
+pub mod agent;
+pub mod binaries;
+pub mod controlplane;
+pub mod netns;
+pub mod pki;
+pub mod sweep;
+
+use std::time::{Duration, Instant};
+
+/// Errors of the harness. Tests usually `expect()` these with context.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A prerequisite (Go, a binary, a package) is missing.
+    #[error("{0}")]
+    Prerequisite(String),
+    /// A command failed.
+    #[error("`{command}` failed: {detail}")]
+    Command {
+        /// The command line.
+        command: String,
+        /// Its stderr or the OS error.
+        detail: String,
+    },
+    /// File or process I/O.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Certificate generation.
+    #[error("certificates: {0}")]
+    Pki(#[from] rcgen::Error),
+    /// Kubernetes client.
+    #[error("kube: {0}")]
+    Kube(#[from] kube::Error),
+    /// Something did not happen in time.
+    #[error("timed out after {0:?}: {1}")]
+    Timeout(Duration, String),
+}
+
+/// Result alias of the harness.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.into();
+    move |source| Error::Io { context, source }
+}
+
+/// Runs `program args` and returns stdout; a non-zero exit becomes [`Error::Command`].
+pub fn run(program: &str, args: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| Error::Command { command: format!("{program} {}", args.join(" ")), detail: e.to_string() })?;
+    if !out.status.success() {
+        return Err(Error::Command {
+            command: format!("{program} {}", args.join(" ")),
+            detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Polls `check` every 100 ms until it returns `Some`, for at most `limit`.
+pub async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return Ok(v);
+        }
+        if start.elapsed() > limit {
+            return Err(Error::Timeout(limit, what.to_owned()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -70,6 +70,7 @@ pub struct ProxySettings {
     /// Pod CIDR of the cluster (e.g. 10.244.0.0/16). Traffic to a Service from outside it is
     /// masqueraded. Optional: without it, only traffic that needs it for correctness is masqueraded.
     #[serde(default, skip_serializing_if = "Option::is_none", rename = "clusterCIDR")]
+    #[schemars(length(max = 43))]
     #[x_kube(validation = Rule::new("isCIDR(self)").message("proxy.clusterCIDR must be a CIDR such as 10.244.0.0/16"))]
     pub cluster_cidr: Option<String>,
 
@@ -77,7 +78,7 @@ pub struct ProxySettings {
     /// primary addresses. Empty means all local addresses in iptables and IPVS mode, and `primary` in
     /// nftables mode (kube-proxy's defaults).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 16))]
+    #[schemars(length(max = 16), inner(length(max = 43)))]
     #[x_kube(validation = Rule::new("self.all(a, a == 'primary' || isCIDR(a))").message("proxy.nodePortAddresses entries must be CIDRs or 'primary'"))]
     pub node_port_addresses: Vec<String>,
 
@@ -162,7 +163,7 @@ pub struct IpvsSettings {
     pub strict_arp: Option<bool>,
     /// CIDRs whose IPVS services Switchyard must never touch or clean up.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 64))]
+    #[schemars(length(max = 64), inner(length(max = 43)))]
     #[x_kube(validation = Rule::new("self.all(c, isCIDR(c))").message("proxy.ipvs.excludeCIDRs entries must be CIDRs"))]
     #[serde(rename = "excludeCIDRs")]
     pub exclude_cidrs: Vec<String>,

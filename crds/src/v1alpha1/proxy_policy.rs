@@ -37,7 +37,7 @@ pub struct ProxyPolicySpec {
     /// the one with the higher priority governs the node (ties: the alphabetically first name); the
     /// others report a Conflict condition.
     #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])").message("nodeSelector.matchExpressions operator must be one of In, NotIn, Exists, DoesNotExist"))]
-    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))").message("nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist must have none"))]
+    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn'] ? has(e.values) && size(e.values) > 0 : !(e.operator in ['Exists', 'DoesNotExist']) || !has(e.values) || size(e.values) == 0)").message("nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist must have none"))]
     pub node_selector: LabelSelector,
 
     /// Priority where policies overlap: higher wins. Default 0.
@@ -108,6 +108,7 @@ pub struct Rollout {
     /// Nodes that may be switching or unhealthy at once: a count, or a percent of the pool (rounded
     /// down, at least 1). Default 1.
     #[serde(default = "default_max_unavailable")]
+    #[schemars(extend("maxLength" = 4))]
     #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^([1-9][0-9]?|100)%$')").message("rollout.maxUnavailable must be a count of at least 1 or a percentage from 1% to 100%"))]
     pub max_unavailable: IntOrString,
 
@@ -157,6 +158,7 @@ pub struct Wave {
 
     /// How many nodes of the pool this wave takes: a count, or a percent of the pool (rounded up).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxLength" = 4))]
     #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^([1-9][0-9]?|100)%$')").message("wave nodes must be a count of at least 1 or a percentage from 1% to 100%"))]
     pub nodes: Option<IntOrString>,
 

@@ -1,0 +1,233 @@
+//! Nodes that are network namespaces.
+//!
+//! ```text
+//!   fabric ns: bridge br0 10.250.0.1/24 ── forwards 10.250.0.1:6443 to the apiserver on the root
+//!      │                                   namespace's 127.0.0.1 (a socket made in the fabric,
+//!      │                                   connected out from the root namespace)
+//!   node-i ns: eth0 10.250.0.(10+i)/24, default via 10.250.0.1, pod bridge cbr0 10.244.i.1/24,
+//!      │       routes to other nodes' pod CIDRs via their node IPs (host-gw style)
+//!   pod ns:    eth0 10.244.i.(10+k)/24, default via 10.244.i.1
+//! ```
+//! Private addresses exist only inside these namespaces; nothing is routed to or from the root
+//! namespace. Dropping the [`Cluster`] stops the forwarder and deletes every namespace.
+
+use std::{
+    fs::File,
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream},
+    os::fd::AsFd,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use nix::sched::{CloneFlags, setns};
+
+use crate::{Error, Result, controlplane, io_err, run, sweep};
+
+/// One node namespace.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// Node name (also the Kubernetes Node name).
+    pub name: String,
+    /// Network namespace name.
+    pub netns: String,
+    /// Node IP on the fabric.
+    pub ip: Ipv4Addr,
+    /// Pod CIDR `10.244.i.0/24`.
+    pub pod_cidr: String,
+    /// Pods behind this node.
+    pub pods: Vec<Pod>,
+}
+
+/// One pod namespace.
+#[derive(Debug, Clone)]
+pub struct Pod {
+    /// Pod name.
+    pub name: String,
+    /// Network namespace name.
+    pub netns: String,
+    /// Pod IP.
+    pub ip: Ipv4Addr,
+}
+
+/// A fabric with node and pod namespaces.
+pub struct Cluster {
+    /// Fabric namespace name.
+    pub fabric: String,
+    /// The nodes.
+    pub nodes: Vec<Node>,
+    all_netns: Vec<String>,
+    stop: Arc<AtomicBool>,
+    forwarder: Option<JoinHandle<()>>,
+}
+
+fn ip_in(ns: &str, args: &[&str]) -> Result<String> {
+    let mut full = vec!["-n", ns];
+    full.extend_from_slice(args);
+    run("ip", &full)
+}
+
+fn sysctl_in(ns: &str, key: &str, value: &str) -> Result<String> {
+    run("ip", &["netns", "exec", ns, "sysctl", "-qw", &format!("{key}={value}")])
+}
+
+impl Cluster {
+    /// Creates `nodes` node namespaces with `pods_per_node` pods each, and forwards the fabric's
+    /// apiserver address to `apiserver_port` on the root namespace's loopback.
+    pub fn create(nodes: usize, pods_per_node: usize, apiserver_port: u16) -> Result<Self> {
+        sweep::sweep_leftovers();
+        let (pid, seq) = sweep::next_id();
+        let prefix = format!("{}{pid}x{seq}", sweep::PREFIX);
+        let fabric = format!("{prefix}-fabric");
+        let mut cluster = Cluster {
+            fabric: fabric.clone(),
+            nodes: Vec::new(),
+            all_netns: Vec::new(),
+            stop: Arc::new(AtomicBool::new(false)),
+            forwarder: None,
+        };
+        cluster.add_netns(&fabric)?;
+        ip_in(&fabric, &["link", "add", "br0", "type", "bridge"])?;
+        ip_in(&fabric, &["addr", "add", &format!("{}/24", controlplane::ADVERTISE_ADDRESS), "dev", "br0"])?;
+        ip_in(&fabric, &["link", "set", "br0", "up"])?;
+        sysctl_in(&fabric, "net.ipv4.ip_forward", "1")?;
+
+        for i in 1..=nodes {
+            let name = format!("node-{i}");
+            let netns = format!("{prefix}-{name}");
+            let ip = Ipv4Addr::new(10, 250, 0, 10 + i as u8);
+            cluster.add_netns(&netns)?;
+            ip_in(&fabric, &["link", "add", &format!("n{i}"), "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
+            ip_in(&fabric, &["link", "set", &format!("n{i}"), "master", "br0", "up"])?;
+            ip_in(&netns, &["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+            ip_in(&netns, &["link", "set", "eth0", "up"])?;
+            ip_in(&netns, &["route", "add", "default", "via", &controlplane::ADVERTISE_ADDRESS.to_string()])?;
+            ip_in(&netns, &["link", "add", "cbr0", "type", "bridge"])?;
+            ip_in(&netns, &["addr", "add", &format!("10.244.{i}.1/24"), "dev", "cbr0"])?;
+            ip_in(&netns, &["link", "set", "cbr0", "up"])?;
+            sysctl_in(&netns, "net.ipv4.ip_forward", "1")?;
+            let pod_cidr = format!("10.244.{i}.0/24");
+            ip_in(&fabric, &["route", "add", &pod_cidr, "via", &ip.to_string()])?;
+            let mut node = Node { name, netns: netns.clone(), ip, pod_cidr, pods: Vec::new() };
+            for k in 1..=pods_per_node {
+                let pod_ns = format!("{netns}-p{k}");
+                let pod_ip = Ipv4Addr::new(10, 244, i as u8, 10 + k as u8);
+                cluster.add_netns(&pod_ns)?;
+                ip_in(&netns, &["link", "add", &format!("p{k}"), "type", "veth", "peer", "name", "eth0", "netns", &pod_ns])?;
+                ip_in(&netns, &["link", "set", &format!("p{k}"), "master", "cbr0", "up"])?;
+                ip_in(&pod_ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+                ip_in(&pod_ns, &["link", "set", "eth0", "up"])?;
+                ip_in(&pod_ns, &["route", "add", "default", "via", &format!("10.244.{i}.1")])?;
+                node.pods.push(Pod { name: format!("{}-pod-{k}", node.name), netns: pod_ns, ip: pod_ip });
+            }
+            cluster.nodes.push(node);
+        }
+        // host-gw routes between nodes.
+        for a in &cluster.nodes {
+            for b in cluster.nodes.iter().filter(|b| b.name != a.name) {
+                ip_in(&a.netns, &["route", "add", &b.pod_cidr, "via", &b.ip.to_string()])?;
+            }
+        }
+        cluster.start_forwarder(apiserver_port)?;
+        Ok(cluster)
+    }
+
+    fn add_netns(&mut self, name: &str) -> Result<()> {
+        run("ip", &["netns", "add", name])?;
+        self.all_netns.push(name.to_owned());
+        ip_in(name, &["link", "set", "lo", "up"])?;
+        Ok(())
+    }
+
+    /// Listens on the fabric's apiserver address and forwards each connection to the apiserver.
+    fn start_forwarder(&mut self, apiserver_port: u16) -> Result<()> {
+        let listener = listen_in_netns(&self.fabric, SocketAddrV4::new(controlplane::ADVERTISE_ADDRESS, controlplane::ADVERTISE_PORT))?;
+        listener.set_nonblocking(true).map_err(io_err("nonblocking listener"))?;
+        let stop = self.stop.clone();
+        self.forwarder = Some(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((inbound, _)) => {
+                        let _ = inbound.set_nonblocking(false);
+                        // Runs in the root namespace: the connection goes to its loopback only.
+                        if let Ok(outbound) = TcpStream::connect(("127.0.0.1", apiserver_port)) {
+                            pipe(inbound, outbound);
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }));
+        Ok(())
+    }
+
+    /// Runs a command inside a namespace and returns stdout.
+    pub fn exec(netns: &str, args: &[&str]) -> Result<String> {
+        let mut full = vec!["netns", "exec", netns];
+        full.extend_from_slice(args);
+        run("ip", &full)
+    }
+}
+
+/// Copies bytes both ways until either side closes.
+fn pipe(a: TcpStream, b: TcpStream) {
+    for (mut from, mut to) in [(a.try_clone(), b.try_clone()), (b.try_clone(), a.try_clone())]
+        .into_iter()
+        .filter_map(|(x, y)| Some((x.ok()?, y.ok()?)))
+    {
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 16 * 1024];
+            loop {
+                match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            let _ = to.shutdown(std::net::Shutdown::Write);
+        });
+    }
+}
+
+/// Binds a TCP listener inside `netns`: this thread enters it, binds, and returns to its own
+/// namespace. The socket stays in the namespace it was made in.
+fn listen_in_netns(netns: &str, addr: SocketAddrV4) -> Result<TcpListener> {
+    let netns = netns.to_owned();
+    std::thread::spawn(move || -> Result<TcpListener> {
+        let own = File::open("/proc/thread-self/ns/net").map_err(io_err("open own netns"))?;
+        let target = File::open(format!("/run/netns/{netns}")).map_err(io_err(format!("open netns {netns}")))?;
+        setns(target.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|e| Error::Prerequisite(format!("setns {netns}: {e}")))?;
+        let listener = TcpListener::bind(addr).map_err(io_err(format!("bind {addr} in {netns}")));
+        setns(own.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| Error::Prerequisite(format!("setns back: {e}")))?;
+        listener
+    })
+    .join()
+    .map_err(|_| Error::Prerequisite("netns thread panicked".into()))?
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.forwarder.take() {
+            let _ = handle.join();
+        }
+        for ns in self.all_netns.iter().rev() {
+            // Processes still inside (agents, servers) were started by this harness.
+            if let Ok(pids) = run("ip", &["netns", "pids", ns]) {
+                for p in pids.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+                }
+            }
+            let _ = run("ip", &["netns", "del", ns]);
+        }
+    }
+}
