@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs what Switchyard's demo and tests need on a fresh Debian machine (idempotent):
+# kernel userspace tools from apt, then the Go-built control plane (cached outside git).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+need=()
+for tool in nft:nftables iptables-legacy:iptables iptables-nft:iptables ipset:ipset ip:iproute2 conntrack:conntrack sysctl:procps; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool#*:}")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "[install-deps] apt-get install ${need[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+command -v cargo >/dev/null 2>&1 || { echo "switchyard: cargo (Rust >= 1.89) is required: install it with rustup" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "switchyard: the demo and tests create network namespaces and need root" >&2; exit 1; }
+"$here/build-control-plane.sh" >/dev/null
