@@ -7,6 +7,8 @@
 //! ```
 //! Only [`sys`] touches the kernel; [`probe`] decides from gathered facts; [`report`] talks to the API.
 
+pub mod model;
+pub mod backend;
 pub mod probe;
 pub mod report;
 pub mod sys;

@@ -1,0 +1,101 @@
+//! The backend trait: one per data plane (nftables, iptables, later IPVS). Each backend renders a
+//! [`Snapshot`] into its desired kernel state with a pure function, then syncs it, verifies it and
+//! can clean up everything it owns.
+//!
+//! # Guarantees every backend gives
+//! - It owns only its own kernel objects (nft table `switchyard`; iptables chains `SWY-*`; ipsets
+//!   `SWY-*`; IPVS services on its own addresses and the dummy link `swy-ipvs0`) and never modifies
+//!   anything else.
+//! - After `sync` returns `Ok`, the kernel state for the objects it owns equals the render of the
+//!   snapshot. A partial sync (`full == false`) touches only the services in `changes` and the shared
+//!   dispatch objects; on any error the next sync must be full.
+//! - `cleanup` removes everything it owns, is idempotent, and succeeds when nothing was ever
+//!   programmed.
+//! - Syncing never flushes a path that stays: rules of unchanged services keep serving during a sync
+//!   (transactions are atomic), so established and new connections are not interrupted.
+
+pub mod names;
+pub mod nftables;
+pub mod iptables;
+
+use crate::model::{Changes, NodeInfo, Snapshot};
+
+/// Proxy-wide settings a backend renders with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// The node (name, addresses, zone).
+    pub node: NodeInfo,
+    /// Pod CIDR of the cluster; traffic from outside it to ClusterIPs is masqueraded.
+    pub cluster_cidr: Option<crate::model::Ipv4Net>,
+    /// Masquerade all service traffic.
+    pub masquerade_all: bool,
+    /// NodePort addresses: `None` = every local address; otherwise these addresses.
+    pub node_port_addresses: Option<Vec<std::net::Ipv4Addr>>,
+    /// The fwmark bit used to request masquerade.
+    pub masquerade_mark: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            node: NodeInfo::default(),
+            cluster_cidr: None,
+            masquerade_all: false,
+            node_port_addresses: None,
+            masquerade_mark: 0x4000,
+        }
+    }
+}
+
+/// What a sync did, for metrics and NodeProxy status.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    /// Whether it was a full sync.
+    pub full: bool,
+    /// Service ports programmed.
+    pub services: usize,
+    /// Endpoints programmed.
+    pub endpoints: usize,
+    /// Kernel objects written in this sync (rules, elements, chains).
+    pub objects_written: usize,
+    /// Rules (or equivalent) in the whole desired state.
+    pub rules_total: usize,
+}
+
+/// Errors of backends.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The kernel refused a transaction.
+    #[error("{backend}: kernel refused the transaction: {detail}")]
+    Kernel {
+        /// Backend name.
+        backend: &'static str,
+        /// What the kernel said.
+        detail: String,
+    },
+    /// A userspace tool failed.
+    #[error("{backend}: {command} failed: {detail}")]
+    Command {
+        /// Backend name.
+        backend: &'static str,
+        /// The command.
+        command: String,
+        /// Its stderr.
+        detail: String,
+    },
+    /// Netlink transport.
+    #[error(transparent)]
+    Agent(#[from] crate::Error),
+}
+
+/// A service-proxy data plane.
+pub trait Backend: Send {
+    /// The mode this backend implements.
+    fn mode(&self) -> switchyard_crds::v1alpha1::ProxyMode;
+    /// Programs `snapshot`; `full` rewrites everything, otherwise only `changes` and shared objects.
+    fn sync(&mut self, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError>;
+    /// Removes every kernel object this backend owns. Idempotent.
+    fn cleanup(&mut self) -> Result<(), BackendError>;
+    /// The rendered desired state as text (nft syntax, iptables-save syntax), for `--render`.
+    fn render_text(&self, snapshot: &Snapshot) -> String;
+}

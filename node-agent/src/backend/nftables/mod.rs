@@ -1,0 +1,1 @@
+//! nftables backend (in progress).

@@ -1,0 +1,137 @@
+//! Pure conversion of Kubernetes Services and EndpointSlices into model values, with kube-proxy's
+//! filters: headless and ExternalName Services are skipped, the service-proxy-name label is honoured,
+//! non-IPv4 addresses are ignored by this (IPv4) model.
+
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use switchyard_crds::consts::SERVICE_PROXY_NAME_LABEL;
+
+use super::{Endpoint, Ipv4Net, Protocol, ServiceName, ServicePort, ServicePortName};
+
+/// Default ClientIP affinity timeout (3 hours), as in the Service API.
+pub const DEFAULT_AFFINITY_SECONDS: u32 = 10800;
+
+/// Whether this proxy handles `service`: a Service labelled with a service-proxy-name is handled
+/// only by a proxy configured with that name; unlabelled Services only by unnamed proxies.
+pub fn handled_by(labels: Option<&std::collections::BTreeMap<String, String>>, proxy_name: Option<&str>) -> bool {
+    let label = labels.and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)).map(String::as_str);
+    label == proxy_name
+}
+
+/// The service ports of `svc` this proxy programs (empty for skipped Services).
+pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort> {
+    let (Some(namespace), Some(name), Some(spec)) = (&svc.metadata.namespace, &svc.metadata.name, &svc.spec) else {
+        return Vec::new();
+    };
+    if !handled_by(svc.metadata.labels.as_ref(), proxy_name) || spec.type_.as_deref() == Some("ExternalName") {
+        return Vec::new();
+    }
+    let Some(cluster_ip) = spec.cluster_ip.as_deref().filter(|ip| *ip != "None").and_then(|ip| ip.parse::<Ipv4Addr>().ok())
+    else {
+        return Vec::new(); // headless, unset, or not IPv4
+    };
+    let parse_v4 = |list: Option<&Vec<String>>| -> Vec<Ipv4Addr> {
+        list.into_iter().flatten().filter_map(|s| s.parse().ok()).collect()
+    };
+    let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
+    let load_balancer_ips: Vec<Ipv4Addr> = if is_lb {
+        svc.status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|i| i.ip.as_deref()?.parse().ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let source_ranges: Vec<Ipv4Net> = spec
+        .load_balancer_source_ranges
+        .iter()
+        .flatten()
+        .filter_map(|r| r.trim().parse::<Ipv4Net>().ok().map(|n| n.trunc()))
+        .collect();
+    let affinity = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
+        spec.session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .and_then(|t| u32::try_from(t).ok())
+            .unwrap_or(DEFAULT_AFFINITY_SECONDS)
+    });
+    let service = ServiceName { namespace: namespace.clone(), name: name.clone() };
+    spec.ports
+        .iter()
+        .flatten()
+        .filter_map(|p| {
+            let protocol = Protocol::from_k8s(p.protocol.as_deref())?;
+            Some(ServicePort {
+                name: ServicePortName { service: service.clone(), port_name: p.name.clone().unwrap_or_default(), protocol },
+                cluster_ip,
+                port: u16::try_from(p.port).ok()?,
+                node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0),
+                external_ips: parse_v4(spec.external_ips.as_ref()),
+                load_balancer_ips: load_balancer_ips.clone(),
+                load_balancer_source_ranges: source_ranges.clone(),
+                affinity_timeout_seconds: affinity,
+                external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
+                internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+                health_check_node_port: spec.health_check_node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0),
+            })
+        })
+        .collect()
+}
+
+/// The Service an EndpointSlice belongs to (label `kubernetes.io/service-name`).
+pub fn slice_service(slice: &EndpointSlice) -> Option<ServiceName> {
+    Some(ServiceName {
+        namespace: slice.metadata.namespace.clone()?,
+        name: slice.metadata.labels.as_ref()?.get("kubernetes.io/service-name")?.clone(),
+    })
+}
+
+/// Endpoints of an IPv4 EndpointSlice per `(port name, protocol)`.
+pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<Endpoint>)> {
+    if slice.address_type != "IPv4" {
+        return Vec::new();
+    }
+    let ports = slice.ports.iter().flatten().filter_map(|p| {
+        Some(((p.name.clone().unwrap_or_default(), Protocol::from_k8s(p.protocol.as_deref())?), u16::try_from(p.port?).ok()?))
+    });
+    ports
+        .map(|(key, port)| {
+            let mut eps: Vec<Endpoint> = slice
+                .endpoints
+                .iter()
+                .flat_map(|e| {
+                    let c = e.conditions.as_ref();
+                    let ready = c.and_then(|c| c.ready).unwrap_or(true);
+                    let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+                    let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+                    let zone_hints: Vec<String> = e
+                        .hints
+                        .as_ref()
+                        .and_then(|h| h.for_zones.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|z| z.name.clone())
+                        .collect();
+                    e.addresses.iter().filter_map(move |a| a.parse::<Ipv4Addr>().ok()).map(move |ip| Endpoint {
+                        ip,
+                        port,
+                        ready,
+                        serving,
+                        terminating,
+                        node_name: e.node_name.clone(),
+                        zone_hints: zone_hints.clone(),
+                    })
+                })
+                .collect();
+            eps.sort();
+            eps.dedup_by(|a, b| a.ip == b.ip && a.port == b.port);
+            (key, eps)
+        })
+        .collect()
+}
