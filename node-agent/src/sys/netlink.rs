@@ -125,6 +125,38 @@ impl Transport {
         Ok(Self { socket })
     }
 
+    /// Raises the send and receive buffers (root may exceed the sysctl limits) and asks for short
+    /// acks, so a large transaction fits one send and its acks fit the receive queue.
+    pub fn size_buffers(&self, send: usize, receive: usize) -> Result<()> {
+        use nix::sys::socket::{setsockopt, sockopt};
+        let io = |e: nix::Error| Error::Netlink { op: "set buffer size", source: std::io::Error::from(e) };
+        setsockopt(&self.socket, sockopt::SndBufForce, &send).map_err(io)?;
+        setsockopt(&self.socket, sockopt::RcvBufForce, &receive).map_err(io)?;
+        self.socket.set_cap_ack(true).map_err(|source| Error::Netlink { op: "set cap_ack", source })?;
+        Ok(())
+    }
+
+    /// Sends a dump request and collects every reply until `NLMSG_DONE` or an error.
+    pub fn dump(&self, request: &[u8]) -> Result<Vec<Reply>> {
+        self.socket
+            .send(request, 0)
+            .map_err(|source| Error::Netlink { op: "send", source })?;
+        let mut replies = Vec::new();
+        for _ in 0..1_000_000 {
+            let (data, _) = self
+                .socket
+                .recv_from_full()
+                .map_err(|source| Error::Netlink { op: "receive", source })?;
+            let batch = parse_replies(&data);
+            let done = batch.is_empty() || batch.iter().any(|r| r.kind == NLMSG_DONE || r.error.is_some());
+            replies.extend(batch.into_iter().filter(|r| r.kind != NLMSG_DONE));
+            if done {
+                break;
+            }
+        }
+        Ok(replies)
+    }
+
     /// Sends `request` and collects replies until every sequence number in `acks` has been
     /// acknowledged (or failed) or a `NLMSG_DONE` arrives. Returns all replies in order.
     pub fn request(&self, request: &[u8], acks: &[u32]) -> Result<Vec<Reply>> {

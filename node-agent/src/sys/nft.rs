@@ -60,3 +60,40 @@ fn first_error(transport: &Transport, request: Vec<u8>, seq: u32, what: &str) ->
         .find_map(|r| r.error.filter(|e| *e != 0))
         .map(|errno| format!("{what}: {}", std::io::Error::from_raw_os_error(-errno))))
 }
+
+/// Sends a whole nf_tables transaction (one batch) and returns the kernel's first refusal, if any.
+/// The socket buffers are sized for the batch so that large transactions stay atomic.
+pub fn apply(batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
+    if batch.is_empty() {
+        return Ok(Ok(()));
+    }
+    let (bytes, acks) = batch.finish();
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    transport.size_buffers(bytes.len() + 4096, acks.len() * 64 + (1 << 20))?;
+    let replies = transport.request(&bytes, &acks)?;
+    Ok(match replies.iter().find(|r| r.error.is_some_and(|e| e != 0)) {
+        Some(r) => Err(format!(
+            "message {} of {}: {}",
+            r.seq,
+            acks.len(),
+            std::io::Error::from_raw_os_error(-r.error.unwrap_or_default())
+        )),
+        None => Ok(()),
+    })
+}
+
+/// Names of objects in our table from a dump (`GETCHAIN` or `GETSET`); empty if the table is absent.
+pub fn list(msg: crate::backend::nftables::encode::Msg) -> Result<Vec<String>> {
+    use crate::backend::nftables::encode;
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let replies = transport.dump(&encode::dump_request(msg, 1))?;
+    let parse = if msg == encode::Msg::GetSet { encode::set_name } else { encode::chain_name };
+    Ok(replies.iter().filter(|r| r.error.is_none()).filter_map(|r| parse(&r.payload)).collect())
+}
+
+/// Whether our table exists.
+pub fn table_exists() -> Result<bool> {
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let replies = transport.request(&crate::backend::nftables::encode::get_table_request(1), &[1])?;
+    Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
+}
