@@ -9,6 +9,9 @@
 
 pub mod model;
 pub mod backend;
+pub mod health;
+pub mod metrics;
+pub mod runtime;
 pub mod probe;
 pub mod report;
 pub mod sys;

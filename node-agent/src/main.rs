@@ -1,13 +1,20 @@
-//! `switchyard-agent`: probes the node's kernel and reports to its NodeProxy.
+//! `switchyard-agent`: the service proxy on one node.
 
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 use clap::Parser;
-use kube::{Client, Config, config::{KubeConfigOptions, Kubeconfig}};
-use switchyard_agent::{Error, Result, probe, report};
-use switchyard_crds::v1alpha1::{NodeProxyStatus, SwitchPhase};
+use kube::{Api, Client, Config, config::{KubeConfigOptions, Kubeconfig}};
+use switchyard_agent::{
+    Error, Result, backend,
+    health::{self, HttpState, ProxyHealth},
+    metrics::Metrics,
+    model::tracker::Tracker,
+    probe, report,
+    runtime::{self, NodePortAddresses},
+};
+use switchyard_crds::v1alpha1::ProxyMode;
 
-/// Switchyard node agent.
+/// Switchyard node agent: the service proxy on a node (nftables or iptables).
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
@@ -20,7 +27,44 @@ struct Args {
     /// Print the probed capabilities as JSON and exit, without contacting the API.
     #[arg(long)]
     probe: bool,
-    /// Seconds between re-probes and status reports.
+    /// Remove every kernel object Switchyard owns (all backends, both iptables variants) and exit.
+    #[arg(long)]
+    cleanup: bool,
+    /// Print the rules for the current cluster state without touching the kernel, and exit.
+    #[arg(long)]
+    render: bool,
+    /// Only register and report capabilities; do not proxy.
+    #[arg(long)]
+    report_only: bool,
+    /// Proxy mode: nftables or iptables.
+    #[arg(long, default_value = "nftables")]
+    mode: String,
+    /// Pod CIDR of the cluster (traffic from outside it to ClusterIPs is masqueraded).
+    #[arg(long)]
+    cluster_cidr: Option<String>,
+    /// Masquerade all service traffic.
+    #[arg(long)]
+    masquerade_all: bool,
+    /// NodePort addresses: `primary`, `all`, or comma-separated CIDRs. Default: primary for
+    /// nftables, all for iptables (kube-proxy's defaults).
+    #[arg(long)]
+    nodeport_addresses: Option<String>,
+    /// Handle only Services labelled service.kubernetes.io/service-proxy-name=NAME.
+    #[arg(long)]
+    service_proxy_name: Option<String>,
+    /// Minimum seconds between syncs.
+    #[arg(long, default_value_t = 1.0)]
+    min_sync_period: f64,
+    /// Seconds between full resyncs (and the retry delay after a failure).
+    #[arg(long, default_value_t = 30.0)]
+    sync_period: f64,
+    /// Address of /healthz and /livez (and /metrics).
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: SocketAddr,
+    /// Address of /metrics.
+    #[arg(long, default_value = "0.0.0.0:10249")]
+    metrics_bind_address: SocketAddr,
+    /// Seconds between capability re-probes in --report-only mode.
     #[arg(long, default_value_t = 300)]
     report_interval_seconds: u64,
 }
@@ -64,31 +108,138 @@ async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
     Client::try_from(config).map_err(|source| Error::Kube { action: "build client".into(), source })
 }
 
+fn parse_mode(mode: &str) -> Result<ProxyMode> {
+    match mode {
+        "nftables" => Ok(ProxyMode::Nftables),
+        "iptables" => Ok(ProxyMode::Iptables),
+        "ipvs" => Err(Error::Config("--mode ipvs: the IPVS backend is not available in this build".into())),
+        other => Err(Error::Config(format!("--mode {other}: expected nftables or iptables"))),
+    }
+}
+
+fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Capabilities) -> Result<runtime::Config> {
+    let mode = parse_mode(&args.mode)?;
+    let cluster_cidr = args
+        .cluster_cidr
+        .as_deref()
+        .map(|c| c.parse().map_err(|e| Error::Config(format!("--cluster-cidr {c}: {e}"))))
+        .transpose()?;
+    let node_port_addresses = match args.nodeport_addresses.as_deref() {
+        None if mode == ProxyMode::Nftables => NodePortAddresses::Primary,
+        None | Some("all") => NodePortAddresses::All,
+        Some("primary") => NodePortAddresses::Primary,
+        Some(list) => NodePortAddresses::Cidrs(
+            list.split(',')
+                .map(|c| c.trim().parse().map_err(|e| Error::Config(format!("--nodeport-addresses {c}: {e}"))))
+                .collect::<Result<_>>()?,
+        ),
+    };
+    if !(args.min_sync_period >= 0.0 && args.sync_period > 0.0) {
+        return Err(Error::Config("--min-sync-period must be >= 0 and --sync-period > 0".into()));
+    }
+    Ok(runtime::Config {
+        node_name: node,
+        mode,
+        iptables_variant: caps.iptables_variant.clone().unwrap_or_else(|| "legacy".into()),
+        cluster_cidr,
+        masquerade_all: args.masquerade_all,
+        node_port_addresses,
+        proxy_name: args.service_proxy_name.clone(),
+        min_sync_period: Duration::from_secs_f64(args.min_sync_period),
+        sync_period: Duration::from_secs_f64(args.sync_period),
+        capabilities: caps,
+    })
+}
+
 async fn run(args: Args) -> Result<()> {
     if args.probe {
         let caps = capabilities().await?;
         println!("{}", serde_json::to_string_pretty(&caps).map_err(|e| Error::Config(e.to_string()))?);
         return Ok(());
     }
+    if args.cleanup {
+        let errors = tokio::task::spawn_blocking(backend::cleanup_all)
+            .await
+            .map_err(|e| Error::Config(format!("cleanup task: {e}")))?;
+        for e in &errors {
+            eprintln!("switchyard-agent: cleanup: {e}");
+        }
+        return if errors.is_empty() { Ok(()) } else { Err(Error::Config(format!("{} cleanup step(s) failed", errors.len()))) };
+    }
     let node = args.node_name.clone().ok_or_else(|| Error::Config("--node-name (or NODE_NAME) is required".into()))?;
     let client = client(args.kubeconfig.as_ref()).await?;
+    if args.render {
+        return render(&args, &client, node).await;
+    }
     report::ensure_registered(&client, &node).await?;
+    let caps = capabilities().await?;
+    tracing::info!(node, kernel = caps.kernel_version, modes = ?caps.supported_modes, "capabilities probed");
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| Error::Config(format!("signal handler: {e}")))?;
+    if args.report_only {
+        return report_only(&args, &client, &node, caps, &mut terminate).await;
+    }
+    let config = runtime_config(&args, node, caps)?;
+    let health = Arc::new(ProxyHealth::new(config.sync_period * 2));
+    let metrics = Arc::new(Metrics::new());
+    let router = health::router(HttpState { health: health.clone(), metrics: metrics.clone() });
+    let servers = async {
+        let (a, b) = (args.healthz_bind_address, args.metrics_bind_address);
+        if a == b {
+            health::serve(a, router).await
+        } else {
+            tokio::try_join!(health::serve(a, router.clone()), health::serve(b, router)).map(|_| ())
+        }
+    };
+    // Exiting never touches the kernel: the data path keeps forwarding while the agent restarts.
+    tokio::select! {
+        r = runtime::run(client, config, health, metrics) => r,
+        r = servers => r.map_err(|e| Error::Config(format!("health server: {e}"))),
+        _ = tokio::signal::ctrl_c() => Ok(()),
+        _ = terminate.recv() => Ok(()),
+    }
+}
+
+async fn report_only(
+    args: &Args,
+    client: &Client,
+    node: &str,
+    mut caps: switchyard_crds::v1alpha1::Capabilities,
+    terminate: &mut tokio::signal::unix::Signal,
+) -> Result<()> {
     loop {
-        let caps = capabilities().await?;
-        tracing::info!(node, kernel = caps.kernel_version, modes = ?caps.supported_modes, "capabilities probed");
-        let status = NodeProxyStatus {
+        let status = switchyard_crds::v1alpha1::NodeProxyStatus {
             agent_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
             capabilities: Some(caps),
-            phase: Some(SwitchPhase::Initializing),
+            phase: Some(switchyard_crds::v1alpha1::SwitchPhase::Initializing),
             ..Default::default()
         };
-        report::apply_status(&client, &node, &status).await?;
+        report::apply_status(client, node, &status).await?;
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(args.report_interval_seconds)) => {}
             _ = tokio::signal::ctrl_c() => return Ok(()),
             _ = terminate.recv() => return Ok(()),
         }
+        caps = capabilities().await?;
     }
+}
+
+async fn render(args: &Args, client: &Client, node: String) -> Result<()> {
+    use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+    let kube_err = |action: &str| {
+        let action = action.to_owned();
+        move |source| Error::Kube { action, source }
+    };
+    let services = Api::<Service>::all(client.clone()).list(&Default::default()).await.map_err(kube_err("list services"))?;
+    let slices = Api::<EndpointSlice>::all(client.clone()).list(&Default::default()).await.map_err(kube_err("list endpointslices"))?;
+    let node_obj = Api::<Node>::all(client.clone()).get_opt(&node).await.map_err(kube_err("get node"))?;
+    let mut tracker = Tracker::new(args.service_proxy_name.clone());
+    tracker.reset_services(&services.items);
+    tracker.reset_slices(&slices.items);
+    let caps = switchyard_crds::v1alpha1::Capabilities { iptables_variant: Some("legacy".into()), ..Default::default() };
+    let config = runtime_config(args, node, caps)?;
+    let settings = runtime::node_settings(&config, node_obj.as_ref());
+    let backend = backend::new_backend(config.mode, settings, &config.iptables_variant);
+    print!("{}", backend.render_text(&tracker.snapshot()));
+    Ok(())
 }

@@ -99,3 +99,33 @@ pub trait Backend: Send {
     /// The rendered desired state as text (nft syntax, iptables-save syntax), for `--render`.
     fn render_text(&self, snapshot: &Snapshot) -> String;
 }
+
+/// Builds the backend for `mode`. IPVS is not available yet and falls back to iptables with a
+/// warning (the operator only asks for modes the node reports as supported).
+pub fn new_backend(mode: switchyard_crds::v1alpha1::ProxyMode, settings: Settings, iptables_variant: &str) -> Box<dyn Backend> {
+    use switchyard_crds::v1alpha1::ProxyMode;
+    let variant = if iptables_variant == "nft" { crate::sys::iptables::Variant::Nft } else { crate::sys::iptables::Variant::Legacy };
+    match mode {
+        ProxyMode::Nftables => Box::new(nftables::NftablesBackend::new(settings)),
+        ProxyMode::Iptables => Box::new(iptables::IptablesBackend::new(variant, settings)),
+        ProxyMode::Ipvs => {
+            tracing::warn!("the IPVS backend is not built yet; running iptables");
+            Box::new(iptables::IptablesBackend::new(variant, settings))
+        }
+    }
+}
+
+/// Removes everything Switchyard owns in every backend and variant; collects every failure.
+pub fn cleanup_all() -> Vec<BackendError> {
+    let mut errors = Vec::new();
+    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(nftables::NftablesBackend::new(Settings::default()))];
+    for variant in [crate::sys::iptables::Variant::Legacy, crate::sys::iptables::Variant::Nft] {
+        backends.push(Box::new(iptables::IptablesBackend::new(variant, Settings::default())));
+    }
+    for mut b in backends {
+        if let Err(e) = b.cleanup() {
+            errors.push(e);
+        }
+    }
+    errors
+}

@@ -6,3 +6,4 @@ pub mod netlink;
 pub mod nft;
 pub mod genl;
 pub mod host;
+pub mod iptables;

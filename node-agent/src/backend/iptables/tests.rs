@@ -1,0 +1,776 @@
+//! Tests of the iptables backend.
+//!
+//! - Pure: the render of a scenario covering every service shape is compared with golden files in
+//!   `testdata/` (`SWITCHYARD_UPDATE_GOLDEN=1` rewrites them), plus table tests of the helpers.
+//! - Kernel (root): in a throwaway network namespace per test, a full sync must leave exactly the
+//!   golden text in `iptables-save`, partial syncs must add/remove only what changed, and cleanup
+//!   must leave no `SWY` string; for both the `legacy` and the `nft` variant.
+
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+use std::process::Command;
+
+use super::render::{kernel_probability, probability, render, save_string};
+use super::*;
+use crate::model::{Endpoint, Ipv4Net, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName};
+
+// ---------------------------------------------------------------------------------------------
+// Scenario
+
+const NODE: &str = "node-a";
+const REMOTE: &str = "node-b";
+
+fn settings() -> Settings {
+    Settings {
+        node: NodeInfo {
+            name: NODE.into(),
+            addresses: vec![Ipv4Addr::new(192, 168, 0, 10)],
+            zone: None,
+        },
+        cluster_cidr: Some(net("10.244.0.0/16")),
+        ..Settings::default()
+    }
+}
+
+fn net(s: &str) -> Ipv4Net {
+    s.parse().unwrap()
+}
+
+fn ip(s: &str) -> Ipv4Addr {
+    s.parse().unwrap()
+}
+
+fn spn(svc: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
+    ServicePortName {
+        service: ServiceName {
+            namespace: "ns".into(),
+            name: svc.into(),
+        },
+        port_name: port_name.into(),
+        protocol,
+    }
+}
+
+fn port(svc: &str, port_name: &str, protocol: Protocol, cluster_ip: &str, port: u16) -> ServicePort {
+    ServicePort {
+        name: spn(svc, port_name, protocol),
+        cluster_ip: ip(cluster_ip),
+        port,
+        node_port: None,
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        affinity_timeout_seconds: None,
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: None,
+    }
+}
+
+fn ep(addr: &str, port: u16, node: &str) -> Endpoint {
+    Endpoint {
+        ip: ip(addr),
+        port,
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: Some(node.into()),
+        zone_hints: vec![],
+    }
+}
+
+fn add(snapshot: &mut Snapshot, sp: ServicePort, mut eps: Vec<Endpoint>) {
+    eps.sort();
+    if !eps.is_empty() {
+        snapshot.endpoints.insert(sp.name.clone(), eps);
+    }
+    snapshot.services.insert(sp.name.clone(), sp);
+}
+
+/// Every service shape the backend handles.
+fn scenario() -> Snapshot {
+    let mut s = Snapshot::default();
+    let tcp = Protocol::Tcp;
+    // ClusterIP with one endpoint, and with three (one local).
+    add(
+        &mut s,
+        port("one", "http", tcp, "10.96.0.11", 80),
+        vec![ep("10.244.1.11", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        port("three", "http", tcp, "10.96.0.13", 80),
+        vec![
+            ep("10.244.0.13", 8080, NODE),
+            ep("10.244.1.13", 8080, REMOTE),
+            ep("10.244.2.13", 8080, REMOTE),
+        ],
+    );
+    // NodePort, unnamed port.
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30020),
+            ..port("np", "", tcp, "10.96.0.20", 80)
+        },
+        vec![ep("10.244.1.20", 8080, REMOTE), ep("10.244.2.20", 8080, REMOTE)],
+    );
+    // External IP.
+    add(
+        &mut s,
+        ServicePort {
+            external_ips: vec![ip("203.0.113.21")],
+            ..port("ext", "https", tcp, "10.96.0.21", 443)
+        },
+        vec![ep("10.244.1.21", 8443, REMOTE)],
+    );
+    // LoadBalancer with source ranges (one contains the node IP).
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30030),
+            load_balancer_ips: vec![ip("198.51.100.30")],
+            load_balancer_source_ranges: vec![net("192.168.0.0/24"), net("203.0.113.0/24")],
+            ..port("lb", "http", tcp, "10.96.0.30", 80)
+        },
+        vec![ep("10.244.1.30", 8080, REMOTE), ep("10.244.2.30", 8080, REMOTE)],
+    );
+    // ClientIP affinity.
+    add(
+        &mut s,
+        ServicePort {
+            affinity_timeout_seconds: Some(10800),
+            ..port("sticky", "http", tcp, "10.96.0.31", 80)
+        },
+        vec![ep("10.244.1.31", 8080, REMOTE), ep("10.244.2.31", 8080, REMOTE)],
+    );
+    // externalTrafficPolicy: Local with a local endpoint (LB, health-check node port) ...
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30040),
+            load_balancer_ips: vec![ip("198.51.100.40")],
+            external_policy_local: true,
+            health_check_node_port: Some(32040),
+            ..port("etp-local", "http", tcp, "10.96.0.40", 80)
+        },
+        vec![ep("10.244.0.40", 8080, NODE), ep("10.244.1.40", 8080, REMOTE)],
+    );
+    // ... and without one (NodePort + external IP).
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30041),
+            external_ips: vec![ip("203.0.113.41")],
+            external_policy_local: true,
+            ..port("etp-nolocal", "http", tcp, "10.96.0.41", 80)
+        },
+        vec![ep("10.244.1.41", 8080, REMOTE)],
+    );
+    // internalTrafficPolicy: Local with and without a local endpoint.
+    add(
+        &mut s,
+        ServicePort {
+            internal_policy_local: true,
+            ..port("itp-local", "http", tcp, "10.96.0.50", 80)
+        },
+        vec![ep("10.244.0.50", 8080, NODE), ep("10.244.1.50", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            internal_policy_local: true,
+            ..port("itp-nolocal", "http", tcp, "10.96.0.51", 80)
+        },
+        vec![ep("10.244.1.51", 8080, REMOTE)],
+    );
+    // No endpoints at all, with every kind of destination.
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30060),
+            external_ips: vec![ip("203.0.113.60")],
+            load_balancer_ips: vec![ip("198.51.100.60")],
+            ..port("empty", "http", tcp, "10.96.0.60", 80)
+        },
+        vec![],
+    );
+    // UDP and TCP ports of one service; SCTP.
+    let dns_eps = || vec![ep("10.244.1.10", 53, REMOTE), ep("10.244.2.10", 53, REMOTE)];
+    add(
+        &mut s,
+        port("dns", "dns", Protocol::Udp, "10.96.0.10", 53),
+        dns_eps(),
+    );
+    add(&mut s, port("dns", "dns-tcp", tcp, "10.96.0.10", 53), dns_eps());
+    add(
+        &mut s,
+        port("sctp", "sctp", Protocol::Sctp, "10.96.0.70", 9999),
+        vec![ep("10.244.1.70", 9999, REMOTE)],
+    );
+    // Only terminating endpoints: the serving one is used, the non-serving one is not.
+    add(
+        &mut s,
+        port("term", "http", tcp, "10.96.0.80", 80),
+        vec![
+            Endpoint {
+                ready: false,
+                serving: true,
+                terminating: true,
+                ..ep("10.244.1.80", 8080, REMOTE)
+            },
+            Endpoint {
+                ready: false,
+                serving: false,
+                terminating: true,
+                ..ep("10.244.2.80", 8080, REMOTE)
+            },
+        ],
+    );
+    s
+}
+
+/// Settings with restricted node-port addresses, masquerade-all and no cluster CIDR.
+fn variant_settings() -> Settings {
+    Settings {
+        cluster_cidr: None,
+        masquerade_all: true,
+        node_port_addresses: Some(vec![ip("192.168.0.10"), ip("192.168.1.10")]),
+        ..settings()
+    }
+}
+
+fn variant_scenario() -> Snapshot {
+    let full = scenario();
+    let mut s = Snapshot::default();
+    for name in ["np", "etp-local"] {
+        for (k, sp) in full.services.iter().filter(|(k, _)| k.service.name == name) {
+            add(
+                &mut s,
+                sp.clone(),
+                full.endpoints.get(k).cloned().unwrap_or_default(),
+            );
+        }
+    }
+    s
+}
+
+fn changes(names: &[&str]) -> Changes {
+    Changes {
+        services: names
+            .iter()
+            .map(|n| ServiceName {
+                namespace: "ns".into(),
+                name: (*n).into(),
+            })
+            .collect(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Goldens
+
+fn golden_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/backend/iptables/testdata")
+        .join(name)
+}
+
+fn read_golden(name: &str) -> String {
+    std::fs::read_to_string(golden_path(name)).unwrap_or_else(|e| panic!("read golden {name}: {e}"))
+}
+
+/// Compares `actual` with golden `name`; `SWITCHYARD_UPDATE_GOLDEN=1` rewrites the golden instead.
+fn check_golden(name: &str, actual: &str) {
+    if std::env::var("SWITCHYARD_UPDATE_GOLDEN").as_deref() == Ok("1") {
+        std::fs::write(golden_path(name), actual).unwrap();
+        return;
+    }
+    let expected = read_golden(name);
+    if expected != actual {
+        let diff: Vec<String> = expected
+            .lines()
+            .filter(|l| !actual.lines().any(|a| a == *l))
+            .map(|l| format!("- {l}"))
+            .chain(
+                actual
+                    .lines()
+                    .filter(|l| !expected.lines().any(|e| e == *l))
+                    .map(|l| format!("+ {l}")),
+            )
+            .collect();
+        panic!(
+            "render differs from golden {name} (SWITCHYARD_UPDATE_GOLDEN=1 rewrites):\n{}",
+            diff.join("\n")
+        );
+    }
+}
+
+#[test]
+fn iptables_golden_full_scenario() {
+    check_golden("scenario.rules", &render(&scenario(), &settings(), None).text());
+}
+
+#[test]
+fn iptables_golden_node_port_addresses_masquerade_all() {
+    check_golden(
+        "variant.rules",
+        &render(&variant_scenario(), &variant_settings(), None).text(),
+    );
+}
+
+#[test]
+fn iptables_golden_partial() {
+    let snap = scenario();
+    let partial = render(&snap, &settings(), Some(&changes(&["one", "etp-local"])));
+    check_golden("partial.rules", &partial.text());
+    let full = render(&snap, &settings(), None);
+    // Same desired state, same top-level chains, fewer service chains written.
+    assert_eq!(partial.nat_chains, full.nat_chains);
+    assert_eq!(partial.filter, full.filter);
+    assert_eq!(partial.rules_total, full.rules_total);
+    for chain in render::NAT_TOP_CHAINS {
+        assert_eq!(
+            partial.nat.chains.get(chain),
+            full.nat.chains.get(chain),
+            "{chain}"
+        );
+    }
+    let written: BTreeSet<&String> = partial.nat.chains.keys().collect();
+    let expected: BTreeSet<&String> = full
+        .nat
+        .chains
+        .keys()
+        .filter(|c| {
+            render::NAT_TOP_CHAINS.contains(&c.as_str())
+                || snap
+                    .services
+                    .keys()
+                    .filter(|k| k.service.name == "one" || k.service.name == "etp-local")
+                    .any(|k| {
+                        ["SVC", "SVL", "EXT", "FW"]
+                            .iter()
+                            .any(|kind| **c == crate::backend::names::ipt_service_chain(kind, k))
+                            || snap
+                                .endpoints
+                                .get(k)
+                                .into_iter()
+                                .flatten()
+                                .any(|e| **c == crate::backend::names::ipt_endpoint_chain(k, e))
+                    })
+        })
+        .collect();
+    assert_eq!(written, expected);
+}
+
+#[test]
+fn iptables_render_is_deterministic_and_counts() {
+    let a = render(&scenario(), &settings(), None);
+    let b = render(&scenario(), &settings(), None);
+    assert_eq!(a, b);
+    let text = a.text();
+    assert_eq!(
+        a.rules_total,
+        text.lines().filter(|l| l.starts_with("-A ")).count()
+    );
+    assert_eq!(a.services, 15);
+    assert_eq!(
+        a.endpoints,
+        text.lines().filter(|l| l.starts_with(":SWY-SEP-")).count()
+    );
+    let declared: BTreeSet<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .map(|l| l.split(' ').next().unwrap_or("").to_owned())
+        .collect();
+    let wanted: BTreeSet<String> = a.nat_chains.union(&a.filter_chains).cloned().collect();
+    assert_eq!(declared, wanted);
+    // Every jump target of a rule is a declared chain or a standard target.
+    for line in text.lines().filter(|l| l.starts_with("-A ")) {
+        let target = line
+            .split(" -j ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .unwrap_or("");
+        assert!(
+            declared.contains(target)
+                || ["ACCEPT", "DROP", "REJECT", "RETURN", "MARK", "MASQUERADE", "DNAT"].contains(&target),
+            "dangling jump: {line}"
+        );
+    }
+}
+
+/// Targeted semantics, independent of the goldens: (service, lines the render must contain,
+/// substrings it must not contain).
+#[test]
+fn iptables_render_semantics_table() {
+    let text = render(&scenario(), &settings(), None).text();
+    let svc = |name: &str, port_name: &str, kind: &str| {
+        crate::backend::names::ipt_service_chain(kind, &spn(name, port_name, Protocol::Tcp))
+    };
+    let must: Vec<String> = vec![
+        // No endpoints: REJECT for cluster IP, external IP, LB IP and node port; nothing in nat.
+        r#"-A SWY-SERVICES -d 10.96.0.60/32 -p tcp -m comment --comment "ns/empty:http has no endpoints" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable"#.into(),
+        r#"-A SWY-EXTERNAL-SERVICES -p tcp -m comment --comment "ns/empty:http has no endpoints" -m addrtype --dst-type LOCAL -m tcp --dport 30060 -j REJECT --reject-with icmp-port-unreachable"#.into(),
+        r#"-A SWY-EXTERNAL-SERVICES -d 198.51.100.60/32 -p tcp -m comment --comment "ns/empty:http has no endpoints" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable"#.into(),
+        // ITP=Local without local endpoints: DROP.
+        r#"-A SWY-SERVICES -d 10.96.0.51/32 -p tcp -m comment --comment "ns/itp-nolocal:http has no local endpoints" -m tcp --dport 80 -j DROP"#.into(),
+        // ITP=Local with local endpoint: cluster IP to SVL.
+        format!(r#"-A SWY-SERVICES -d 10.96.0.50/32 -p tcp -m comment --comment "ns/itp-local:http cluster IP" -m tcp --dport 80 -j {}"#, svc("itp-local", "http", "SVL")),
+        // ETP=Local without local endpoints: DROP for external destinations, short-circuits kept.
+        r#"-A SWY-EXTERNAL-SERVICES -d 203.0.113.41/32 -p tcp -m comment --comment "ns/etp-nolocal:http has no local endpoints" -m tcp --dport 80 -j DROP"#.into(),
+        format!(r#"-A {} -s 10.244.0.0/16 -m comment --comment "pod traffic for ns/etp-nolocal:http external destinations" -j {}"#, svc("etp-nolocal", "http", "EXT"), svc("etp-nolocal", "http", "SVC")),
+        // ETP=Local with local endpoints: EXT ends in SVL; health check node port accepted.
+        format!("-A {} -j {}", svc("etp-local", "http", "EXT"), svc("etp-local", "http", "SVL")),
+        r#"-A SWY-NODEPORTS -p tcp -m comment --comment "ns/etp-local:http health check node port" -m tcp --dport 32040 -j ACCEPT"#.into(),
+        // Source ranges: FW chain, node-IP range adds the LB IP as source, DROP in filter.
+        format!(r#"-A {} -s 198.51.100.30/32 -m comment --comment "ns/lb:http loadbalancer IP" -j {}"#, svc("lb", "http", "FW"), svc("lb", "http", "EXT")),
+        format!(r#"-A SWY-PROXY-FIREWALL -d 198.51.100.30/32 -p tcp -m comment --comment "ns/lb:http traffic not accepted by {}" -m tcp --dport 80 -j DROP"#, svc("lb", "http", "FW")),
+        // Three endpoints: 1/3, 1/2, unconditional.
+        "--probability 0.3333333333 -j".into(),
+        "--probability 0.5000000000 -j".into(),
+        // Protocols.
+        "-A SWY-SERVICES -d 10.96.0.10/32 -p udp -m comment --comment \"ns/dns:dns cluster IP\" -m udp --dport 53 -j".into(),
+        "-A SWY-SERVICES -d 10.96.0.70/32 -p sctp -m comment --comment \"ns/sctp:sctp cluster IP\" -m sctp --dport 9999 -j".into(),
+        // Terminating fallback.
+        "-j DNAT --to-destination 10.244.1.80:8080".into(),
+        // Node ports dispatch is the last rule of nat SWY-SERVICES.
+        r#"-A SWY-SERVICES -m comment --comment "switchyard service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j SWY-NODEPORTS"#.into(),
+    ];
+    for m in &must {
+        assert!(text.contains(m.as_str()), "missing: {m}");
+    }
+    let must_not: Vec<String> = vec![
+        "10.244.2.80".into(),        // not serving
+        svc("empty", "http", "SVC"), // no endpoints: no nat chains
+        svc("empty", "http", "EXT"),
+        svc("itp-nolocal", "http", "SVL"), // no local endpoints
+        format!("-A {} -j", svc("etp-nolocal", "http", "EXT")), // no fall-through jump
+    ];
+    for m in &must_not {
+        assert!(!text.contains(m.as_str()), "unexpected: {m}");
+    }
+    let nat = text.split("*nat\n").nth(1).unwrap_or("");
+    let last_services = nat
+        .lines()
+        .filter(|l| l.starts_with("-A SWY-SERVICES "))
+        .last()
+        .unwrap_or("");
+    assert!(last_services.ends_with("-j SWY-NODEPORTS"), "{last_services}");
+}
+
+#[test]
+fn iptables_probabilities() {
+    let cases = [
+        (1, "1.0000000000"),
+        (2, "0.5000000000"),
+        (3, "0.3333333333"),
+        (7, "0.1428571429"),
+        (1000, "0.0010000000"),
+    ];
+    for (k, want) in cases {
+        assert_eq!(probability(k), want, "k={k}");
+    }
+    let kernel = [
+        (0.3333333333, "0.33333333349"),
+        (0.5, "0.50000000000"),
+        (0.25, "0.25000000000"),
+        (0.1428571429, "0.14285714272"),
+    ];
+    for (p, want) in kernel {
+        assert_eq!(kernel_probability(p), want, "p={p}");
+    }
+}
+
+#[test]
+fn iptables_save_string_quoting() {
+    let cases = [
+        ("ns-x_1", "ns-x_1"),
+        ("ns/web:http", "\"ns/web:http\""),
+        ("a b", "\"a b\""),
+        ("a\"b", "\"a\\\"b\""),
+        ("a'b", "\"a\\'b\""),
+        ("a\\b", "\"a\\\\b\""),
+        ("", "\"\""),
+    ];
+    for (input, want) in cases {
+        assert_eq!(save_string(input), want, "{input:?}");
+    }
+}
+
+#[test]
+fn iptables_jump_rule_lines() {
+    let lines: Vec<String> = JUMP_RULES.iter().map(JumpRule::save_line).collect();
+    assert!(lines.contains(
+        &"-A PREROUTING -m comment --comment \"switchyard service portals\" -j SWY-SERVICES".to_owned()
+    ));
+    assert!(lines.contains(
+        &"-A INPUT -m conntrack --ctstate NEW -m comment --comment \"switchyard externally-visible service portals\" -j SWY-EXTERNAL-SERVICES"
+            .to_owned()
+    ));
+    assert_eq!(
+        lines.iter().collect::<BTreeSet<_>>().len(),
+        JUMP_RULES.len(),
+        "no duplicates"
+    );
+    let backend = IptablesBackend::new(Variant::Nft, settings());
+    assert_eq!(backend.mode(), ProxyMode::Iptables);
+    assert_eq!(
+        backend.render_text(&scenario()),
+        render(&scenario(), &settings(), None).text()
+    );
+    assert!(IptablesBackend::from_variant_name("bogus", settings()).is_err());
+    assert_eq!(
+        IptablesBackend::from_variant_name("legacy", settings())
+            .map(|b| b.variant())
+            .ok(),
+        Some(Variant::Legacy)
+    );
+}
+
+#[test]
+fn iptables_own_chains_from_save() {
+    let save = "*nat\n:PREROUTING ACCEPT [0:0]\n:SWY-SERVICES - [0:0]\n:KUBE-SERVICES - [0:0]\n:SWY-SEP-X - [3:4]\n-A SWY-SERVICES -j SWY-SEP-X\nCOMMIT\n";
+    let chains: Vec<String> = own_chains(save).into_iter().collect();
+    assert_eq!(chains, vec!["SWY-SEP-X".to_owned(), "SWY-SERVICES".to_owned()]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel tests
+
+/// A network namespace deleted on drop (also when the test panics).
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn create(n: u32) -> Self {
+        let name = format!("swyu{}-ipt-{n}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        let out = Command::new("ip").args(["netns", "add", &name]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "ip netns add {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self { name }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+/// Keeps the lines describing our chains (table headers, `COMMIT`, `:SWY-*`, `-A SWY-*`), with
+/// chain counters zeroed and probabilities in the kernel's spelling.
+fn normalise(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let keep = line.starts_with('*')
+            || line == "COMMIT"
+            || line.starts_with(":SWY-")
+            || line.starts_with("-A SWY-");
+        if !keep {
+            continue;
+        }
+        let line = if line.starts_with(':') {
+            match line.rfind(" [") {
+                Some(i) => format!("{} [0:0]", &line[..i]),
+                None => line.to_owned(),
+            }
+        } else if let Some((head, tail)) = line.split_once("--probability ") {
+            let (value, rest) = tail.split_once(' ').unwrap_or((tail, ""));
+            format!(
+                "{head}--probability {} {rest}",
+                kernel_probability(value.parse().unwrap())
+            )
+        } else {
+            line.to_owned()
+        };
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn kernel_text(ipt: &Iptables) -> String {
+    let filter = ipt.save(Table::Filter).unwrap();
+    let nat = ipt.save(Table::Nat).unwrap();
+    normalise(&format!("{filter}{nat}"))
+}
+
+fn whole_save(ipt: &Iptables) -> String {
+    format!(
+        "{}{}",
+        ipt.save(Table::Filter).unwrap(),
+        ipt.save(Table::Nat).unwrap()
+    )
+}
+
+fn without_comments(save: &str) -> String {
+    save.lines()
+        .filter(|l| !l.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn service_chains(snap: &Snapshot, name: &str) -> Vec<String> {
+    let mut out = vec![];
+    for k in snap.services.keys().filter(|k| k.service.name == name) {
+        for kind in ["SVC", "SVL", "EXT", "FW"] {
+            out.push(crate::backend::names::ipt_service_chain(kind, k));
+        }
+        for e in snap.endpoints.get(k).into_iter().flatten() {
+            out.push(crate::backend::names::ipt_endpoint_chain(k, e));
+        }
+    }
+    out
+}
+
+fn round_trip(variant: Variant, n: u32) {
+    let started = std::time::Instant::now();
+    let ns = Netns::create(n);
+    let ipt = Iptables::new(variant, Some(ns.name.clone()));
+    let mut backend = IptablesBackend::with_netns(variant, settings(), Some(ns.name.clone()));
+
+    // Cleanup when nothing was ever programmed.
+    backend.cleanup().unwrap();
+
+    // Full sync: the kernel's listing of our chains is the golden text.
+    let snap = scenario();
+    let stats = backend.sync(&snap, &Changes::default(), true).unwrap();
+    assert!(stats.full);
+    assert_eq!(stats.services, 15);
+    let golden = normalise(&read_golden("scenario.rules"));
+    assert_eq!(
+        kernel_text(&ipt),
+        golden,
+        "{variant}: kernel differs from golden after full sync"
+    );
+    let save = whole_save(&ipt);
+    for rule in &JUMP_RULES {
+        let count = save.lines().filter(|l| *l == rule.save_line()).count();
+        assert_eq!(count, 1, "{variant}: jump rule {}", rule.save_line());
+    }
+
+    // A second full sync changes nothing and does not duplicate jump rules.
+    backend.sync(&snap, &Changes::default(), true).unwrap();
+    assert_eq!(kernel_text(&ipt), golden);
+    assert_eq!(
+        without_comments(&whole_save(&ipt)),
+        without_comments(&save),
+        "{variant}: second full sync changed the rules"
+    );
+
+    // Partial sync: a service is deleted; its chains go, everything else stays.
+    let mut snap2 = snap.clone();
+    let sticky: Vec<ServicePortName> = snap2
+        .services
+        .keys()
+        .filter(|k| k.service.name == "sticky")
+        .cloned()
+        .collect();
+    for k in &sticky {
+        snap2.services.remove(k);
+        snap2.endpoints.remove(k);
+    }
+    let stats = backend.sync(&snap2, &changes(&["sticky"]), false).unwrap();
+    assert!(!stats.full);
+    let text = kernel_text(&ipt);
+    assert_eq!(
+        text,
+        normalise(&render(&snap2, &settings(), None).text()),
+        "{variant}: after deleting a service"
+    );
+    for chain in service_chains(&snap, "sticky") {
+        assert!(!text.contains(&chain), "{variant}: stale chain {chain} left");
+    }
+
+    // Partial sync: an endpoint is added to one service and removed from another.
+    let mut snap3 = snap2.clone();
+    let one = spn("one", "http", Protocol::Tcp);
+    snap3
+        .endpoints
+        .entry(one)
+        .or_default()
+        .push(ep("10.244.2.11", 8080, REMOTE));
+    let np = spn("np", "", Protocol::Tcp);
+    if let Some(eps) = snap3.endpoints.get_mut(&np) {
+        eps.truncate(1);
+    }
+    let stats = backend.sync(&snap3, &changes(&["one", "np"]), false).unwrap();
+    assert!(!stats.full);
+    assert_eq!(
+        kernel_text(&ipt),
+        normalise(&render(&snap3, &settings(), None).text()),
+        "{variant}: after endpoint changes"
+    );
+
+    // Cleanup removes everything, twice.
+    backend.cleanup().unwrap();
+    let save = whole_save(&ipt);
+    assert!(!save.contains("SWY"), "{variant}: left after cleanup:\n{save}");
+    backend.cleanup().unwrap();
+
+    // After cleanup the next sync is full even when asked for a partial one.
+    let stats = backend.sync(&snap3, &changes(&["one"]), false).unwrap();
+    assert!(stats.full);
+    assert_eq!(
+        kernel_text(&ipt),
+        normalise(&render(&snap3, &settings(), None).text())
+    );
+    backend.cleanup().unwrap();
+    assert!(!whole_save(&ipt).contains("SWY"));
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "{variant}: took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn iptables_kernel_round_trip_legacy() {
+    round_trip(Variant::Legacy, 1);
+}
+
+#[test]
+fn iptables_kernel_round_trip_nft() {
+    round_trip(Variant::Nft, 2);
+}
+
+/// A refused restore is reported as a kernel error and forces the next sync to be full.
+#[test]
+fn iptables_kernel_failure_forces_full_sync() {
+    let ns = Netns::create(3);
+    let ipt = Iptables::new(Variant::Nft, Some(ns.name.clone()));
+    let mut backend = IptablesBackend::with_netns(Variant::Nft, variant_settings(), Some(ns.name.clone()));
+    let snap = variant_scenario();
+    backend.sync(&snap, &Changes::default(), true).unwrap();
+    // The second golden (node-port addresses, masquerade-all, no cluster CIDR) holds in the kernel too.
+    assert_eq!(kernel_text(&ipt), normalise(&read_golden("variant.rules")));
+    // Someone else references one of our service chains: deleting it must fail.
+    let chain = service_chains(&snap, "np")
+        .into_iter()
+        .find(|c| c.starts_with("SWY-SVC-"))
+        .unwrap();
+    ipt.restore(&format!(
+        "*nat\n:FOREIGN - [0:0]\n-A FOREIGN -j {chain}\nCOMMIT\n"
+    ))
+    .unwrap();
+    let mut snap2 = snap.clone();
+    snap2.services.retain(|k, _| k.service.name != "np");
+    let err = backend.sync(&snap2, &changes(&["np"]), false).unwrap_err();
+    assert!(matches!(err, BackendError::Kernel { .. }), "{err}");
+    ipt.restore("*nat\n:FOREIGN - [0:0]\n-X FOREIGN\nCOMMIT\n")
+        .unwrap();
+    let stats = backend.sync(&snap2, &changes(&[]), false).unwrap();
+    assert!(stats.full);
+    assert_eq!(
+        kernel_text(&ipt),
+        normalise(&render(&snap2, &variant_settings(), None).text())
+    );
+    backend.cleanup().unwrap();
+    assert!(!whole_save(&ipt).contains("SWY"));
+}

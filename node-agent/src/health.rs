@@ -1,0 +1,219 @@
+//! Health endpoints with kube-proxy's semantics, and per-service health-check node ports.
+//!
+//! `/healthz` and `/livez` (default `0.0.0.0:10256`): unhealthy iff an update has been queued for
+//! longer than the health timeout without a successful sync; `/healthz` is also 503 while the node is
+//! not eligible (missing, being deleted, or tainted `ToBeDeletedByClusterAutoscaler`). `/metrics`
+//! exposes [`crate::metrics::Metrics`]. For LoadBalancer Services with `externalTrafficPolicy:
+//! Local`, an HTTP server on the service's `healthCheckNodePort` answers 200 while the node has
+//! local endpoints and the proxy is healthy, else 503.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime},
+};
+
+use axum::{
+    Router,
+    extract::State,
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
+use serde_json::json;
+
+use crate::{metrics::Metrics, model::ServiceName};
+
+/// Shared proxy health.
+#[derive(Debug)]
+pub struct ProxyHealth {
+    inner: Mutex<HealthState>,
+    timeout: Duration,
+}
+
+#[derive(Debug)]
+struct HealthState {
+    oldest_pending: Option<Instant>,
+    last_updated: SystemTime,
+    node_eligible: bool,
+}
+
+/// A point-in-time view of health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthView {
+    /// No update pending for longer than the timeout.
+    pub healthy: bool,
+    /// Node exists and is not being deleted.
+    pub node_eligible: bool,
+}
+
+impl ProxyHealth {
+    /// Health with `timeout` (kube-proxy: 2 × syncPeriod).
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            inner: Mutex::new(HealthState { oldest_pending: None, last_updated: SystemTime::now(), node_eligible: true }),
+            timeout,
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut HealthState) -> T) -> T {
+        match self.inner.lock() {
+            Ok(mut g) => f(&mut g),
+            Err(poisoned) => f(&mut poisoned.into_inner()),
+        }
+    }
+
+    /// An update (Service or EndpointSlice change) was queued.
+    pub fn queued(&self) {
+        self.with(|s| {
+            s.oldest_pending.get_or_insert_with(Instant::now);
+        });
+    }
+
+    /// A sync succeeded.
+    pub fn updated(&self) {
+        self.with(|s| {
+            s.oldest_pending = None;
+            s.last_updated = SystemTime::now();
+        });
+    }
+
+    /// Node eligibility changed.
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.with(|s| s.node_eligible = eligible);
+    }
+
+    /// Current health.
+    pub fn view(&self) -> HealthView {
+        self.with(|s| HealthView {
+            healthy: s.oldest_pending.is_none_or(|t| t.elapsed() < self.timeout),
+            node_eligible: s.node_eligible,
+        })
+    }
+
+    fn last_updated(&self) -> SystemTime {
+        self.with(|s| s.last_updated)
+    }
+}
+
+/// State shared by the HTTP handlers.
+#[derive(Clone)]
+pub struct HttpState {
+    /// Proxy health.
+    pub health: Arc<ProxyHealth>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    format!("{secs:.3}")
+}
+
+fn reply(code: StatusCode, body: serde_json::Value) -> impl IntoResponse {
+    let mut headers = HeaderMap::new();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert("X-Content-Type-Options", HeaderValue::from_static("nosniff"));
+    (code, headers, body.to_string())
+}
+
+async fn healthz(State(s): State<HttpState>, livez: bool) -> impl IntoResponse {
+    let view = s.health.view();
+    let ok = view.healthy && (livez || view.node_eligible);
+    let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let family = if livez { &s.metrics.livez_total } else { &s.metrics.healthz_total };
+    family.get_or_create(&crate::metrics::CodeLabel { code: code.as_u16().to_string() }).inc();
+    let now = SystemTime::now();
+    let last = if view.healthy { now } else { s.health.last_updated() };
+    let mut body = json!({
+        "lastUpdated": rfc3339(last),
+        "currentTime": rfc3339(now),
+        "healthy": view.healthy,
+        "status": {"IPv4": {"lastUpdated": rfc3339(last), "healthy": view.healthy}},
+    });
+    if !livez {
+        body["nodeEligible"] = json!(view.node_eligible);
+    }
+    reply(code, body)
+}
+
+/// The router for `/healthz`, `/livez` and `/metrics`.
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/healthz", get(|s: State<HttpState>| async move { healthz(s, false).await }))
+        .route("/livez", get(|s: State<HttpState>| async move { healthz(s, true).await }))
+        .route("/metrics", get(|State(s): State<HttpState>| async move { s.metrics.render() }))
+        .with_state(state)
+}
+
+/// Serves `router` on `addr` until the process ends.
+pub async fn serve(addr: std::net::SocketAddr, router: Router) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    axum::serve(listener, router).await
+}
+
+/// Desired health-check servers: node port → (service, local endpoints).
+pub type HealthCheckPorts = BTreeMap<u16, (ServiceName, usize)>;
+
+/// Runs and reconciles the per-service health-check node-port servers.
+pub struct ServiceHealthServers {
+    health: Arc<ProxyHealth>,
+    desired: Arc<Mutex<HealthCheckPorts>>,
+    running: BTreeMap<u16, tokio::task::JoinHandle<()>>,
+}
+
+impl ServiceHealthServers {
+    /// No servers yet.
+    pub fn new(health: Arc<ProxyHealth>) -> Self {
+        Self { health, desired: Arc::new(Mutex::new(BTreeMap::new())), running: BTreeMap::new() }
+    }
+
+    /// Starts servers for new ports, stops servers for removed ones, updates counts.
+    pub fn sync(&mut self, ports: HealthCheckPorts) {
+        let wanted: Vec<u16> = ports.keys().copied().collect();
+        if let Ok(mut d) = self.desired.lock() {
+            *d = ports;
+        }
+        self.running.retain(|port, task| {
+            let keep = wanted.contains(port);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for port in wanted {
+            if self.running.contains_key(&port) {
+                continue;
+            }
+            let (desired, health) = (self.desired.clone(), self.health.clone());
+            let app = Router::new().fallback(move || {
+                let (desired, health) = (desired.clone(), health.clone());
+                async move {
+                    let (service, local) = desired.lock().ok().and_then(|d| d.get(&port).cloned()).unwrap_or_else(|| {
+                        (ServiceName { namespace: String::new(), name: String::new() }, 0)
+                    });
+                    let healthy = health.view().healthy;
+                    let code = if local > 0 && healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                    let mut headers = HeaderMap::new();
+                    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                    headers.insert("X-Content-Type-Options", HeaderValue::from_static("nosniff"));
+                    if let Ok(v) = HeaderValue::from_str(&local.to_string()) {
+                        headers.insert("X-Load-Balancing-Endpoint-Weight", v);
+                    }
+                    let body = json!({"service": {"namespace": service.namespace, "name": service.name},
+                                      "localEndpoints": local, "serviceProxyHealthy": healthy});
+                    (code, headers, body.to_string())
+                }
+            });
+            self.running.insert(
+                port,
+                tokio::spawn(async move {
+                    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], port));
+                    if let Err(e) = serve(addr, app).await {
+                        tracing::warn!(port, error = %e, "FailedToStartServiceHealthcheck");
+                    }
+                }),
+            );
+        }
+    }
+}

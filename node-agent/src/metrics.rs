@@ -1,0 +1,120 @@
+//! Prometheus metrics with kube-proxy's names (`kubeproxy_*`) plus `switchyard_*`.
+
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+use std::sync::atomic::AtomicU64;
+
+/// Label: traffic policy for the no-local-endpoints gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficPolicy {
+    /// `internal` or `external`.
+    pub traffic_policy: String,
+}
+
+/// Label: backend mode.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabel {
+    /// `iptables`, `nftables`, `ipvs`.
+    pub mode: String,
+}
+
+/// Label: HTTP status code.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    /// Status code.
+    pub code: String,
+}
+
+fn seconds_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 15)
+}
+
+/// Every metric the agent exports.
+pub struct Metrics {
+    registry: Registry,
+    /// kubeproxy_sync_proxy_rules_duration_seconds.
+    pub sync_duration: Histogram,
+    /// kubeproxy_sync_full_proxy_rules_duration_seconds.
+    pub sync_full_duration: Histogram,
+    /// kubeproxy_sync_partial_proxy_rules_duration_seconds.
+    pub sync_partial_duration: Histogram,
+    /// kubeproxy_sync_proxy_rules_last_timestamp_seconds.
+    pub last_sync_timestamp: Gauge<f64, AtomicU64>,
+    /// kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds.
+    pub last_queued_timestamp: Gauge<f64, AtomicU64>,
+    /// kubeproxy_sync_proxy_rules_service_changes_pending.
+    pub service_changes_pending: Gauge,
+    /// kubeproxy_sync_proxy_rules_service_changes_total.
+    pub service_changes_total: Counter,
+    /// kubeproxy_sync_proxy_rules_endpoint_changes_total.
+    pub endpoint_changes_total: Counter,
+    /// kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy}.
+    pub no_local_endpoints: Family<TrafficPolicy, Gauge>,
+    /// kubeproxy_proxy_healthz_total{code}.
+    pub healthz_total: Family<CodeLabel, Counter>,
+    /// kubeproxy_proxy_livez_total{code}.
+    pub livez_total: Family<CodeLabel, Counter>,
+    /// switchyard_sync_failures_total{mode}.
+    pub sync_failures: Family<ModeLabel, Counter>,
+    /// switchyard_programmed_services{mode}.
+    pub programmed_services: Family<ModeLabel, Gauge>,
+    /// switchyard_sync_objects_written{mode}: kernel objects written by the last sync.
+    pub objects_written: Family<ModeLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = Self {
+            sync_duration: Histogram::new(seconds_buckets()),
+            sync_full_duration: Histogram::new(seconds_buckets()),
+            sync_partial_duration: Histogram::new(seconds_buckets()),
+            last_sync_timestamp: Gauge::default(),
+            last_queued_timestamp: Gauge::default(),
+            service_changes_pending: Gauge::default(),
+            service_changes_total: Counter::default(),
+            endpoint_changes_total: Counter::default(),
+            no_local_endpoints: Family::default(),
+            healthz_total: Family::default(),
+            livez_total: Family::default(),
+            sync_failures: Family::default(),
+            programmed_services: Family::default(),
+            objects_written: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", m.sync_duration.clone());
+        registry.register("kubeproxy_sync_full_proxy_rules_duration_seconds", "Full SyncProxyRules latency in seconds", m.sync_full_duration.clone());
+        registry.register("kubeproxy_sync_partial_proxy_rules_duration_seconds", "Partial SyncProxyRules latency in seconds", m.sync_partial_duration.clone());
+        registry.register("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced", m.last_sync_timestamp.clone());
+        registry.register("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", "The last time a sync of proxy rules was queued", m.last_queued_timestamp.clone());
+        registry.register("kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", m.service_changes_pending.clone());
+        registry.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", m.service_changes_total.clone());
+        registry.register("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", m.endpoint_changes_total.clone());
+        registry.register("kubeproxy_sync_proxy_rules_no_local_endpoints", "Number of services with a Local traffic policy and no endpoints", m.no_local_endpoints.clone());
+        registry.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", m.healthz_total.clone());
+        registry.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", m.livez_total.clone());
+        registry.register("switchyard_sync_failures", "Syncs that failed, by mode", m.sync_failures.clone());
+        registry.register("switchyard_programmed_services", "Service ports programmed, by mode", m.programmed_services.clone());
+        registry.register("switchyard_sync_objects_written", "Kernel objects written by the last sync, by mode", m.objects_written.clone());
+        Self { registry, ..m }
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

@@ -1,0 +1,357 @@
+//! The agent's service-proxy loop: intake (watchers on Services, EndpointSlices and the agent's
+//! Node feeding the change tracker), a rate-limited sync loop driving the backend, health and
+//! metrics, and NodeProxy status reports.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime},
+};
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+use kube::{
+    Api, Client,
+    runtime::{WatchStreamExt, watcher},
+};
+use switchyard_crds::v1alpha1::{Capabilities, NodeProxyStatus, ProxyMode, SwitchPhase, SyncStats as StatusSync};
+use tokio::sync::Notify;
+
+use crate::{
+    Error, Result,
+    backend::{self, Backend, Settings},
+    health::{HealthCheckPorts, ProxyHealth, ServiceHealthServers},
+    metrics::{ModeLabel, Metrics, TrafficPolicy},
+    model::{NodeInfo, Snapshot, categorize, tracker::Tracker},
+    report,
+};
+
+/// Which node addresses accept NodePorts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Every local address (iptables default).
+    All,
+    /// The node's primary addresses (nftables default).
+    Primary,
+    /// Node addresses inside these CIDRs.
+    Cidrs(Vec<crate::model::Ipv4Net>),
+}
+
+/// Configuration of the proxy loop.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Node name.
+    pub node_name: String,
+    /// Mode to run.
+    pub mode: ProxyMode,
+    /// iptables variant (`legacy` / `nft`) for the iptables backend.
+    pub iptables_variant: String,
+    /// Pod CIDR of the cluster.
+    pub cluster_cidr: Option<crate::model::Ipv4Net>,
+    /// Masquerade all service traffic.
+    pub masquerade_all: bool,
+    /// NodePort addresses.
+    pub node_port_addresses: NodePortAddresses,
+    /// Service proxy name to honour.
+    pub proxy_name: Option<String>,
+    /// Minimum time between syncs.
+    pub min_sync_period: Duration,
+    /// Full resync and retry period.
+    pub sync_period: Duration,
+    /// Capabilities, reported in status.
+    pub capabilities: Capabilities,
+}
+
+/// Derives the node facts and the backend settings from the Node object.
+pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
+    let addresses: Vec<std::net::Ipv4Addr> = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect();
+    let zone = node
+        .and_then(|n| n.metadata.labels.as_ref())
+        .and_then(|l| l.get("topology.kubernetes.io/zone"))
+        .cloned();
+    let node_port_addresses = match &config.node_port_addresses {
+        NodePortAddresses::All => None,
+        NodePortAddresses::Primary => Some(addresses.clone()),
+        NodePortAddresses::Cidrs(cidrs) => Some(addresses.iter().filter(|a| cidrs.iter().any(|c| c.contains(*a))).copied().collect()),
+    };
+    Settings {
+        node: NodeInfo { name: config.node_name.clone(), addresses, zone },
+        cluster_cidr: config.cluster_cidr,
+        masquerade_all: config.masquerade_all,
+        node_port_addresses,
+        masquerade_mark: 0x4000,
+    }
+}
+
+fn node_eligible(node: Option<&Node>) -> bool {
+    node.is_some_and(|n| {
+        n.metadata.deletion_timestamp.is_none()
+            && !n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"))
+    })
+}
+
+/// State shared between intake and the sync loop.
+struct Shared {
+    tracker: Mutex<Tracker>,
+    node: Mutex<Option<Node>>,
+    wake: Notify,
+    health: Arc<ProxyHealth>,
+    metrics: Arc<Metrics>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn now_seconds() -> f64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+}
+
+/// Strips managed fields: they are large and never read.
+fn trim<K: kube::Resource>(mut obj: K) -> K {
+    obj.meta_mut().managed_fields = None;
+    obj
+}
+
+async fn watch_services(client: Client, shared: Arc<Shared>) -> Result<()> {
+    let mut init: Vec<Service> = Vec::new();
+    let mut stream = watcher(Api::<Service>::all(client), watcher::Config::default()).default_backoff().boxed();
+    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("service watch: {e}")))? {
+        let changed = {
+            let mut t = lock(&shared.tracker);
+            match event {
+                watcher::Event::Apply(s) => t.apply_service(&trim(s)),
+                watcher::Event::Delete(s) => t.delete_service(
+                    s.metadata.namespace.as_deref().unwrap_or_default(),
+                    s.metadata.name.as_deref().unwrap_or_default(),
+                ),
+                watcher::Event::Init => {
+                    init.clear();
+                    false
+                }
+                watcher::Event::InitApply(s) => {
+                    init.push(trim(s));
+                    false
+                }
+                watcher::Event::InitDone => {
+                    t.reset_services(&std::mem::take(&mut init));
+                    true
+                }
+            }
+        };
+        if changed {
+            shared.metrics.service_changes_total.inc();
+            notify(&shared);
+        }
+    }
+    Ok(())
+}
+
+async fn watch_slices(client: Client, shared: Arc<Shared>) -> Result<()> {
+    let mut init: Vec<EndpointSlice> = Vec::new();
+    let mut stream = watcher(Api::<EndpointSlice>::all(client), watcher::Config::default()).default_backoff().boxed();
+    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("endpointslice watch: {e}")))? {
+        let changed = {
+            let mut t = lock(&shared.tracker);
+            match event {
+                watcher::Event::Apply(s) => t.apply_slice(&trim(s)),
+                watcher::Event::Delete(s) => t.delete_slice(
+                    s.metadata.namespace.as_deref().unwrap_or_default(),
+                    s.metadata.name.as_deref().unwrap_or_default(),
+                ),
+                watcher::Event::Init => {
+                    init.clear();
+                    false
+                }
+                watcher::Event::InitApply(s) => {
+                    init.push(trim(s));
+                    false
+                }
+                watcher::Event::InitDone => {
+                    t.reset_slices(&std::mem::take(&mut init));
+                    true
+                }
+            }
+        };
+        if changed {
+            shared.metrics.endpoint_changes_total.inc();
+            notify(&shared);
+        }
+    }
+    Ok(())
+}
+
+async fn watch_node(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher(Api::<Node>::all(client), config).default_backoff().touched_objects().boxed();
+    while let Some(node) = stream.try_next().await.map_err(|e| Error::Config(format!("node watch: {e}")))? {
+        shared.health.set_node_eligible(node_eligible(Some(&node)));
+        *lock(&shared.node) = Some(trim(node));
+        notify(&shared);
+    }
+    Ok(())
+}
+
+fn notify(shared: &Shared) {
+    shared.health.queued();
+    shared.metrics.last_queued_timestamp.set(now_seconds());
+    shared.wake.notify_one();
+}
+
+fn health_check_ports(snapshot: &Snapshot, settings: &Settings) -> HealthCheckPorts {
+    snapshot
+        .services
+        .values()
+        .filter(|p| p.external_policy_local)
+        .filter_map(|p| {
+            let eps = snapshot.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
+            Some((p.health_check_node_port?, (p.name.service.clone(), categorize(eps, &settings.node).local.len())))
+        })
+        .collect()
+}
+
+fn no_local_endpoints(snapshot: &Snapshot, settings: &Settings, metrics: &Metrics) {
+    let (mut internal, mut external) = (0i64, 0i64);
+    for p in snapshot.services.values() {
+        let eps = snapshot.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
+        let c = categorize(eps, &settings.node);
+        if c.local.is_empty() && c.has_any {
+            internal += i64::from(p.internal_policy_local);
+            external += i64::from(p.external_policy_local && p.externally_accessible());
+        }
+    }
+    metrics.no_local_endpoints.get_or_create(&TrafficPolicy { traffic_policy: "internal".into() }).set(internal);
+    metrics.no_local_endpoints.get_or_create(&TrafficPolicy { traffic_policy: "external".into() }).set(external);
+}
+
+/// Runs the proxy until a watch fails for good or the process is asked to stop.
+pub async fn run(client: Client, config: Config, health: Arc<ProxyHealth>, metrics: Arc<Metrics>) -> Result<()> {
+    let shared = Arc::new(Shared {
+        tracker: Mutex::new(Tracker::new(config.proxy_name.clone())),
+        node: Mutex::new(None),
+        wake: Notify::new(),
+        health,
+        metrics,
+    });
+    let intake = {
+        let (c1, c2, c3) = (client.clone(), client.clone(), client.clone());
+        let (s1, s2, s3) = (shared.clone(), shared.clone(), shared.clone());
+        let name = config.node_name.clone();
+        async move {
+            tokio::try_join!(watch_services(c1, s1), watch_slices(c2, s2), watch_node(c3, name, s3)).map(|_| ())
+        }
+    };
+    tokio::select! {
+        r = intake => r,
+        r = sync_loop(client, config, shared) => r,
+    }
+}
+
+async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Result<()> {
+    let mode_label = ModeLabel { mode: config.mode.to_string() };
+    let mut backend: Option<Box<dyn Backend>> = None;
+    let mut settings: Option<Settings> = None;
+    let mut need_full = true;
+    let mut last_sync = Instant::now() - config.min_sync_period;
+    let mut last_full = Instant::now();
+    let mut last_report: Option<Instant> = None;
+    let mut health_servers = ServiceHealthServers::new(shared.health.clone());
+    loop {
+        tokio::select! {
+            _ = shared.wake.notified() => {}
+            _ = tokio::time::sleep(config.sync_period) => { need_full = true; }
+        }
+        let since = last_sync.elapsed();
+        if since < config.min_sync_period {
+            tokio::time::sleep(config.min_sync_period - since).await;
+        }
+        let node = lock(&shared.node).clone();
+        if !lock(&shared.tracker).synced() || node.is_none() {
+            continue;
+        }
+        let wanted = node_settings(&config, node.as_ref());
+        if settings.as_ref() != Some(&wanted) || backend.is_none() {
+            backend = Some(backend::new_backend(config.mode, wanted.clone(), &config.iptables_variant));
+            settings = Some(wanted.clone());
+            need_full = true;
+        }
+        if last_full.elapsed() > Duration::from_secs(3600) {
+            need_full = true;
+        }
+        let (snapshot, changes) = {
+            let mut t = lock(&shared.tracker);
+            (t.snapshot(), t.take_changes())
+        };
+        shared.metrics.service_changes_pending.set(0);
+        last_sync = Instant::now();
+        let Some(mut b) = backend.take() else { continue };
+        let full = need_full;
+        let snap = snapshot.clone();
+        let (result, b) = tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let r = b.sync(&snap, &changes, full);
+            (r.map(|s| (s, started.elapsed())), b)
+        })
+        .await
+        .map_err(|e| Error::Config(format!("sync task: {e}")))?;
+        backend = Some(b);
+        match result {
+            Ok((stats, took)) => {
+                need_full = false;
+                if stats.full {
+                    last_full = Instant::now();
+                    shared.metrics.sync_full_duration.observe(took.as_secs_f64());
+                } else {
+                    shared.metrics.sync_partial_duration.observe(took.as_secs_f64());
+                }
+                shared.metrics.sync_duration.observe(took.as_secs_f64());
+                shared.metrics.last_sync_timestamp.set(now_seconds());
+                shared.metrics.programmed_services.get_or_create(&mode_label).set(stats.services as i64);
+                shared.metrics.objects_written.get_or_create(&mode_label).set(stats.objects_written as i64);
+                shared.health.updated();
+                tracing::info!(full = stats.full, services = stats.services, objects = stats.objects_written, millis = took.as_millis() as u64, "synced");
+                let s = settings.clone().unwrap_or_default();
+                health_servers.sync(health_check_ports(&snapshot, &s));
+                no_local_endpoints(&snapshot, &s, &shared.metrics);
+                if last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                    let status = NodeProxyStatus {
+                        agent_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+                        capabilities: Some(config.capabilities.clone()),
+                        active_mode: Some(config.mode),
+                        phase: Some(SwitchPhase::Active),
+                        sync: Some(StatusSync {
+                            last_sync_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                                k8s_openapi::jiff::Timestamp::now(),
+                            )),
+                            last_sync_millis: took.as_millis() as i64,
+                            services: snapshot.services.len() as i64,
+                            endpoints: snapshot.endpoints.values().map(Vec::len).sum::<usize>() as i64,
+                            rules: stats.rules_total as i64,
+                        }),
+                        ..Default::default()
+                    };
+                    match report::apply_status(&client, &config.node_name, &status).await {
+                        Ok(()) => last_report = Some(Instant::now()),
+                        Err(e) => tracing::warn!(error = %e, "status report failed"),
+                    }
+                }
+            }
+            Err(e) => {
+                need_full = true;
+                shared.metrics.sync_failures.get_or_create(&mode_label).inc();
+                tracing::error!(error = %e, "sync failed; retrying with a full sync");
+                shared.wake.notify_one();
+            }
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! The iptables tools (`iptables`, `iptables-save`, `iptables-restore`) in their `legacy` or `nft`
+//! variant: the only place the iptables backend runs processes. Optionally every command runs in a
+//! named network namespace (`ip netns exec NS ...`), which the kernel tests use.
+
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+use std::str::FromStr;
+
+/// Seconds to wait for the xtables lock (`-w`).
+const LOCK_WAIT_SECONDS: &str = "5";
+
+/// Which iptables implementation to drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// `iptables-legacy*` (x_tables via setsockopt).
+    Legacy,
+    /// `iptables-nft*` (x_tables rules translated to nf_tables).
+    Nft,
+}
+
+impl Variant {
+    /// `"legacy"` or `"nft"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Variant::Legacy => "legacy",
+            Variant::Nft => "nft",
+        }
+    }
+
+    /// The variant's binary for `tool` (`iptables`, `iptables-save`, `iptables-restore`).
+    pub fn binary(self, tool: &str) -> String {
+        match tool.strip_prefix("iptables") {
+            Some(rest) => format!("iptables-{}{rest}", self.as_str()),
+            None => tool.to_owned(),
+        }
+    }
+}
+
+impl FromStr for Variant {
+    type Err = IptablesError;
+
+    /// Parses `"legacy"` or `"nft"`.
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "legacy" => Ok(Variant::Legacy),
+            "nft" => Ok(Variant::Nft),
+            other => Err(IptablesError::UnknownVariant(other.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An iptables table this backend uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Table {
+    /// `filter`.
+    Filter,
+    /// `nat`.
+    Nat,
+}
+
+impl Table {
+    /// The table's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Table::Filter => "filter",
+            Table::Nat => "nat",
+        }
+    }
+}
+
+/// Errors of the iptables tools.
+#[derive(Debug, thiserror::Error)]
+pub enum IptablesError {
+    /// The variant name is neither `legacy` nor `nft`.
+    #[error("unknown iptables variant {0:?} (expected \"legacy\" or \"nft\")")]
+    UnknownVariant(String),
+    /// The program could not be started.
+    #[error("{command}: cannot run: {reason}")]
+    Spawn {
+        /// The command line.
+        command: String,
+        /// Why it could not run.
+        reason: String,
+    },
+    /// The program ran and failed.
+    #[error("{command}: exit status {status}: {stderr}")]
+    Failed {
+        /// The command line.
+        command: String,
+        /// Exit code (-1 when killed by a signal).
+        status: i32,
+        /// Its stderr (trimmed), plus the offending input line for `iptables-restore`.
+        stderr: String,
+    },
+}
+
+impl IptablesError {
+    /// The command line the error is about (empty for [`IptablesError::UnknownVariant`]).
+    pub fn command(&self) -> &str {
+        match self {
+            IptablesError::UnknownVariant(_) => "",
+            IptablesError::Spawn { command, .. } | IptablesError::Failed { command, .. } => command,
+        }
+    }
+
+    /// What went wrong, without the command line.
+    pub fn detail(&self) -> String {
+        match self {
+            IptablesError::UnknownVariant(name) => format!("unknown iptables variant {name:?}"),
+            IptablesError::Spawn { reason, .. } => reason.clone(),
+            IptablesError::Failed { status, stderr, .. } => format!("exit status {status}: {stderr}"),
+        }
+    }
+}
+
+/// A finished command.
+struct Finished {
+    status: i32,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runner of one variant's tools, optionally inside a network namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Iptables {
+    variant: Variant,
+    netns: Option<String>,
+}
+
+impl Iptables {
+    /// Tools of `variant`; with `netns`, every command runs as `ip netns exec NETNS ...`.
+    pub fn new(variant: Variant, netns: Option<String>) -> Self {
+        Self { variant, netns }
+    }
+
+    /// The variant.
+    pub fn variant(&self) -> Variant {
+        self.variant
+    }
+
+    /// The network namespace commands run in, if any.
+    pub fn netns(&self) -> Option<&str> {
+        self.netns.as_deref()
+    }
+
+    /// Runs `tool args...`; returns the command line and how it finished.
+    fn run(
+        &self,
+        tool: &str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<(String, Finished), IptablesError> {
+        let binary = self.variant.binary(tool);
+        let mut argv: Vec<&str> = Vec::with_capacity(args.len() + 4);
+        if let Some(ns) = &self.netns {
+            argv.extend(["netns", "exec", ns.as_str()]);
+        }
+        argv.push(&binary);
+        argv.extend_from_slice(args);
+        let (program, rest) = if self.netns.is_some() {
+            ("ip", &argv[..])
+        } else {
+            (binary.as_str(), &argv[1..])
+        };
+        let command_line = std::iter::once(program)
+            .chain(rest.iter().copied())
+            .collect::<Vec<_>>()
+            .join(" ");
+        let spawn_err = |e: std::io::Error| IptablesError::Spawn {
+            command: command_line.clone(),
+            reason: e.to_string(),
+        };
+        let mut child = Command::new(program)
+            .args(rest)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(spawn_err)?;
+        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            // A write error (the tool exited early) shows up in its exit status and stderr.
+            let _ = pipe.write_all(input.as_bytes());
+        }
+        let out = child.wait_with_output().map_err(spawn_err)?;
+        let finished = Finished {
+            status: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        };
+        Ok((command_line, finished))
+    }
+
+    /// Runs `tool args...`; a non-zero exit status is an error.
+    fn run_ok(&self, tool: &str, args: &[&str], stdin: Option<&str>) -> Result<Finished, IptablesError> {
+        let (command_line, finished) = self.run(tool, args, stdin)?;
+        if finished.status == 0 {
+            Ok(finished)
+        } else {
+            Err(failed(command_line, finished))
+        }
+    }
+
+    /// `iptables-restore -w 5 --noflush --counters` with `input` on stdin. On failure the error
+    /// names the input line the tool refused when it says which.
+    pub fn restore(&self, input: &str) -> Result<(), IptablesError> {
+        match self.run_ok(
+            "iptables-restore",
+            &["-w", LOCK_WAIT_SECONDS, "--noflush", "--counters"],
+            Some(input),
+        ) {
+            Ok(_) => Ok(()),
+            Err(IptablesError::Failed {
+                command,
+                status,
+                stderr,
+            }) => {
+                let line = failed_line(&stderr).and_then(|n| input.lines().nth(n.saturating_sub(1)));
+                let stderr = match line {
+                    Some(line) => format!("{stderr} (input line: {line})"),
+                    None => stderr,
+                };
+                Err(IptablesError::Failed {
+                    command,
+                    status,
+                    stderr,
+                })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `iptables-save -t TABLE`.
+    pub fn save(&self, table: Table) -> Result<String, IptablesError> {
+        self.run_ok("iptables-save", &["-t", table.as_str()], None)
+            .map(|f| f.stdout)
+    }
+
+    fn rule_command(
+        &self,
+        op: &str,
+        table: Table,
+        chain: &str,
+        spec: &[&str],
+    ) -> Result<Finished, IptablesError> {
+        let mut args = vec!["-w", LOCK_WAIT_SECONDS, "-t", table.as_str(), op, chain];
+        args.extend_from_slice(spec);
+        self.run("iptables", &args, None).map(|(_, f)| f)
+    }
+
+    /// `iptables -C`: whether the rule exists (exit status 1 means it, or its chain, does not).
+    pub fn rule_exists(&self, table: Table, chain: &str, spec: &[&str]) -> Result<bool, IptablesError> {
+        let f = self.rule_command("-C", table, chain, spec)?;
+        match f.status {
+            0 => Ok(true),
+            1 => Ok(false),
+            _ => Err(failed(self.describe("-C", table, chain, spec), f)),
+        }
+    }
+
+    /// `iptables -I CHAIN 1 SPEC`: prepends the rule.
+    pub fn insert_rule(&self, table: Table, chain: &str, spec: &[&str]) -> Result<(), IptablesError> {
+        let mut args = vec!["-w", LOCK_WAIT_SECONDS, "-t", table.as_str(), "-I", chain, "1"];
+        args.extend_from_slice(spec);
+        let (_, f) = self.run("iptables", &args, None)?;
+        if f.status == 0 {
+            Ok(())
+        } else {
+            Err(failed(self.describe("-I", table, chain, spec), f))
+        }
+    }
+
+    /// `iptables -D CHAIN SPEC`: deletes one copy of the rule.
+    pub fn delete_rule(&self, table: Table, chain: &str, spec: &[&str]) -> Result<(), IptablesError> {
+        let f = self.rule_command("-D", table, chain, spec)?;
+        if f.status == 0 {
+            Ok(())
+        } else {
+            Err(failed(self.describe("-D", table, chain, spec), f))
+        }
+    }
+
+    /// Prepends the rule unless it exists; returns whether it was inserted.
+    pub fn ensure_rule(&self, table: Table, chain: &str, spec: &[&str]) -> Result<bool, IptablesError> {
+        if self.rule_exists(table, chain, spec)? {
+            return Ok(false);
+        }
+        self.insert_rule(table, chain, spec)?;
+        Ok(true)
+    }
+
+    /// Deletes every copy of the rule; returns how many were deleted. Absent rules (and absent
+    /// chains) are fine.
+    pub fn remove_rule(&self, table: Table, chain: &str, spec: &[&str]) -> Result<usize, IptablesError> {
+        let mut removed = 0;
+        while self.rule_exists(table, chain, spec)? {
+            self.delete_rule(table, chain, spec)?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
+    fn describe(&self, op: &str, table: Table, chain: &str, spec: &[&str]) -> String {
+        let prefix = self
+            .netns
+            .as_ref()
+            .map(|ns| format!("ip netns exec {ns} "))
+            .unwrap_or_default();
+        format!(
+            "{prefix}{} -t {} {op} {chain} {}",
+            self.variant.binary("iptables"),
+            table.as_str(),
+            spec.join(" ")
+        )
+    }
+}
+
+fn failed(command: String, f: Finished) -> IptablesError {
+    IptablesError::Failed {
+        command,
+        status: f.status,
+        stderr: f.stderr,
+    }
+}
+
+/// The 1-based input line of an `iptables-restore` error (`... line N failed`, `Error occurred at
+/// line: N`).
+fn failed_line(stderr: &str) -> Option<usize> {
+    for marker in ["line: ", "line "] {
+        for (i, _) in stderr.match_indices(marker) {
+            let digits: String = stderr[i + marker.len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            if let Ok(n) = digits.parse() {
+                return Some(n);
+            }
+        }
+    }
+    None
+}
+
+/// Chooses the variant the host uses, like the iptables wrappers of Kubernetes images: the one
+/// whose `iptables-save` shows more rules; `nft` on a tie (including an empty host). A variant whose
+/// tools are missing counts as having no rules; an error only when neither can be run.
+pub fn detect_variant(netns: Option<&str>) -> Result<Variant, IptablesError> {
+    let count = |variant: Variant| -> Result<usize, IptablesError> {
+        let ipt = Iptables::new(variant, netns.map(str::to_owned));
+        let out = ipt.run_ok("iptables-save", &[], None)?;
+        Ok(out.stdout.lines().filter(|l| l.starts_with("-A ")).count())
+    };
+    match (count(Variant::Legacy), count(Variant::Nft)) {
+        (Ok(legacy), Ok(nft)) => Ok(if legacy > nft {
+            Variant::Legacy
+        } else {
+            Variant::Nft
+        }),
+        (Ok(_), Err(_)) => Ok(Variant::Legacy),
+        (Err(_), Ok(_)) => Ok(Variant::Nft),
+        (Err(e), Err(_)) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iptables_variant_names_and_binaries() {
+        assert_eq!("legacy".parse::<Variant>().ok(), Some(Variant::Legacy));
+        assert_eq!("nft".parse::<Variant>().ok(), Some(Variant::Nft));
+        assert!(matches!(
+            "xt".parse::<Variant>(),
+            Err(IptablesError::UnknownVariant(_))
+        ));
+        assert_eq!(
+            Variant::Legacy.binary("iptables-restore"),
+            "iptables-legacy-restore"
+        );
+        assert_eq!(Variant::Nft.binary("iptables"), "iptables-nft");
+        assert_eq!(Variant::Nft.binary("iptables-save"), "iptables-nft-save");
+    }
+
+    #[test]
+    fn iptables_restore_error_line() {
+        assert_eq!(
+            failed_line(
+                "iptables-restore v1.8.9 (legacy): Couldn't load target `X'\n\nError occurred at line: 7"
+            ),
+            Some(7)
+        );
+        assert_eq!(failed_line("iptables-restore: line 12 failed"), Some(12));
+        assert_eq!(failed_line("something else"), None);
+    }
+}
