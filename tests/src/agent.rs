@@ -74,6 +74,14 @@ pub async fn agent_token(cp: &ControlPlane, node: &str) -> Result<String> {
     cp.service_account_token(SYSTEM_NAMESPACE, "switchyard-agent", Some((&created.name_any(), &uid))).await
 }
 
+/// A fresh token bound to the existing agent Pod of `node` (for restarting an agent).
+pub async fn node_token(cp: &ControlPlane, node: &str) -> Result<String> {
+    let pods: Api<Pod> = Api::namespaced(cp.admin_client().await?, SYSTEM_NAMESPACE);
+    let pod = pods.get(&format!("switchyard-agent-{node}")).await?;
+    let uid = pod.uid().unwrap_or_default();
+    cp.service_account_token(SYSTEM_NAMESPACE, "switchyard-agent", Some((&pod.name_any(), &uid))).await
+}
+
 /// A running agent process; killed on drop.
 pub struct Agent {
     /// Node it serves.

@@ -7,8 +7,10 @@ pub mod agent;
 pub mod binaries;
 pub mod controlplane;
 pub mod netns;
+pub mod objects;
 pub mod pki;
 pub mod sweep;
+pub mod traffic;
 
 use std::time::{Duration, Instant};
 

@@ -119,6 +119,9 @@ impl Cluster {
                 cluster.add_netns(&pod_ns)?;
                 ip_in(&netns, &["link", "add", &format!("p{k}"), "type", "veth", "peer", "name", "eth0", "netns", &pod_ns])?;
                 ip_in(&netns, &["link", "set", &format!("p{k}"), "master", "cbr0", "up"])?;
+                // As CNI bridge plugins do (hairpinMode): with br_netfilter, a pod reaching itself
+                // through a Service is bridged back out of the port it came in on.
+                ip_in(&netns, &["link", "set", &format!("p{k}"), "type", "bridge_slave", "hairpin", "on"])?;
                 ip_in(&pod_ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
                 ip_in(&pod_ns, &["link", "set", "eth0", "up"])?;
                 ip_in(&pod_ns, &["route", "add", "default", "via", &format!("10.244.{i}.1")])?;

@@ -24,7 +24,7 @@ fn forbidden(result: Result<impl std::fmt::Debug, kube::Error>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_register_capabilities_and_are_confined_to_their_node() {
     let mut env = TestEnv::start(3, 0).await.expect("control plane and 3 namespace nodes");
-    env.start_agents(&[]).await.expect("agents start");
+    env.start_agents(&["--report-only"]).await.expect("agents start");
     let admin = env.cp.admin_client().await.expect("admin client");
     let proxies: Api<NodeProxy> = Api::all(admin.clone());
 

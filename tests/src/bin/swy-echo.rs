@@ -1,0 +1,117 @@
+//! Test traffic tool, run inside network namespaces.
+//!
+//! `swy-echo serve --name N --tcp PORT[,PORT] --udp PORT[,PORT]`: answers every TCP connection and
+//! UDP datagram with `N <peer-ip>:<peer-port>` (so tests see which endpoint answered and which
+//! source address it saw), until killed.
+//!
+//! `swy-echo client --target IP:PORT --proto tcp|udp --count N [--timeout-ms T] [--interval-ms I]`:
+//! makes N bounded attempts and prints one line each: `ok <name> <peer>`, `refused`, `timeout` or
+//! `error <detail>`.
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    time::Duration,
+};
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn ports(list: Option<String>) -> Vec<u16> {
+    list.unwrap_or_default().split(',').filter_map(|p| p.trim().parse().ok()).collect()
+}
+
+fn serve(args: &[String]) {
+    let name = arg(args, "--name").unwrap_or_else(|| "server".into());
+    let mut handles = Vec::new();
+    for port in ports(arg(args, "--tcp")) {
+        let name = name.clone();
+        let Ok(listener) = TcpListener::bind(("0.0.0.0", port)) else {
+            eprintln!("swy-echo: cannot bind tcp {port}");
+            std::process::exit(1);
+        };
+        handles.push(std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let peer = conn.peer_addr().map(|p| p.to_string()).unwrap_or_default();
+                let _ = conn.write_all(format!("{name} {peer}\n").as_bytes());
+            }
+        }));
+    }
+    for port in ports(arg(args, "--udp")) {
+        let name = name.clone();
+        let Ok(socket) = UdpSocket::bind(("0.0.0.0", port)) else {
+            eprintln!("swy-echo: cannot bind udp {port}");
+            std::process::exit(1);
+        };
+        handles.push(std::thread::spawn(move || {
+            let mut buf = [0u8; 512];
+            while let Ok((_, peer)) = socket.recv_from(&mut buf) {
+                let _ = socket.send_to(format!("{name} {peer}\n").as_bytes(), peer);
+            }
+        }));
+    }
+    println!("ready");
+    for h in handles {
+        let _ = h.join();
+    }
+}
+
+fn attempt(target: SocketAddr, udp: bool, timeout: Duration) -> String {
+    let mut buf = [0u8; 256];
+    let result = if udp {
+        UdpSocket::bind("0.0.0.0:0").and_then(|s| {
+            s.set_read_timeout(Some(timeout))?;
+            s.connect(target)?;
+            s.send(b"hello")?;
+            let n = s.recv(&mut buf)?;
+            Ok(n)
+        })
+    } else {
+        TcpStream::connect_timeout(&target, timeout).and_then(|mut s| {
+            s.set_read_timeout(Some(timeout))?;
+            let n = s.read(&mut buf)?;
+            Ok(n)
+        })
+    };
+    match result {
+        Ok(n) if n > 0 => format!("ok {}", String::from_utf8_lossy(&buf[..n]).trim()),
+        Ok(_) => "error empty reply".into(),
+        Err(e) => match e.kind() {
+            std::io::ErrorKind::ConnectionRefused => "refused".into(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => "timeout".into(),
+            _ => format!("error {e}"),
+        },
+    }
+}
+
+fn client(args: &[String]) {
+    let Some(target) = arg(args, "--target").and_then(|t| t.parse::<SocketAddr>().ok()) else {
+        eprintln!("swy-echo client: --target IP:PORT is required");
+        std::process::exit(2);
+    };
+    let udp = arg(args, "--proto").as_deref() == Some("udp");
+    let count: u32 = arg(args, "--count").and_then(|c| c.parse().ok()).unwrap_or(1).min(100_000);
+    let timeout = Duration::from_millis(arg(args, "--timeout-ms").and_then(|t| t.parse().ok()).unwrap_or(1000));
+    let interval = Duration::from_millis(arg(args, "--interval-ms").and_then(|t| t.parse().ok()).unwrap_or(0));
+    let mut out = std::io::stdout().lock();
+    for _ in 0..count {
+        let _ = writeln!(out, "{}", attempt(target, udp, timeout));
+        let _ = out.flush();
+        if !interval.is_zero() {
+            std::thread::sleep(interval);
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("serve") => serve(&args),
+        Some("client") => client(&args),
+        _ => {
+            eprintln!("usage: swy-echo serve --name N --tcp P --udp P | client --target IP:PORT --proto tcp|udp --count N");
+            std::process::exit(2);
+        }
+    }
+}

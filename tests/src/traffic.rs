@@ -1,0 +1,109 @@
+//! Real traffic in the namespace nodes: `swy-echo` servers in pod namespaces answer with their
+//! identity; clients in any namespace make bounded TCP/UDP attempts and report what answered.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use crate::{Error, Result, binaries, io_err, netns::Pod, sweep};
+
+/// A running echo server; killed on drop.
+pub struct Server {
+    child: Child,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        sweep::stop_child(&mut self.child, Duration::from_secs(2));
+    }
+}
+
+/// Starts `swy-echo serve` in `pod`, named after the pod, and waits until it listens.
+pub fn start_server(pod: &Pod, tcp: &[u16], udp: &[u16]) -> Result<Server> {
+    let join = |p: &[u16]| p.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+    let bin = binaries::workspace_bin("swy-echo")?;
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &pod.netns])
+        .arg(bin)
+        .args(["serve", "--name", &pod.name, "--tcp", &join(tcp), "--udp", &join(udp)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(io_err("start swy-echo"))?;
+    let mut line = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = BufReader::new(out).read_line(&mut line);
+    }
+    if line.trim() != "ready" {
+        let _ = child.kill();
+        return Err(Error::Prerequisite(format!("swy-echo in {} did not start", pod.netns)));
+    }
+    Ok(Server { child })
+}
+
+/// Result of one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// An endpoint answered: its name and the client address it saw.
+    Answered {
+        /// Server (pod) name.
+        server: String,
+        /// Source address the server saw.
+        peer: String,
+    },
+    /// Connection refused (ICMP port unreachable or RST).
+    Refused,
+    /// No answer in time.
+    Timeout,
+    /// Anything else.
+    Error(String),
+}
+
+impl Outcome {
+    /// The answering server, if any.
+    pub fn server(&self) -> Option<&str> {
+        match self {
+            Outcome::Answered { server, .. } => Some(server),
+            _ => None,
+        }
+    }
+}
+
+/// Makes `count` attempts from `netns` to `target` and returns their outcomes.
+pub fn probe(netns: &str, target: SocketAddr, udp: bool, count: u32, timeout_ms: u64) -> Result<Vec<Outcome>> {
+    let bin = binaries::workspace_bin("swy-echo")?;
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns])
+        .arg(bin)
+        .args(["client", "--target", &target.to_string(), "--proto", if udp { "udp" } else { "tcp" }])
+        .args(["--count", &count.to_string(), "--timeout-ms", &timeout_ms.to_string()])
+        .output()
+        .map_err(io_err("run swy-echo client"))?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let mut parts = l.splitn(3, ' ');
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some("ok"), Some(server), Some(peer)) => Outcome::Answered { server: server.into(), peer: peer.into() },
+                (Some("refused"), _, _) => Outcome::Refused,
+                (Some("timeout"), _, _) => Outcome::Timeout,
+                _ => Outcome::Error(l.to_owned()),
+            }
+        })
+        .collect())
+}
+
+/// Answers per server name.
+pub fn tally(outcomes: &[Outcome]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for o in outcomes {
+        let key = o.server().map(str::to_owned).unwrap_or_else(|| format!("{o:?}"));
+        *m.entry(key).or_insert(0) += 1;
+    }
+    m
+}
