@@ -69,13 +69,13 @@ pub fn apply(batch: crate::backend::nftables::encode::Batch) -> Result<std::resu
     }
     let (bytes, acks) = batch.finish();
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    transport.size_buffers(bytes.len() + 4096, acks.len() * 64 + (1 << 20))?;
+    transport.size_buffers(bytes.len() + 4096, 4 << 20)?;
     let replies = transport.request(&bytes, &acks)?;
     Ok(match replies.iter().find(|r| r.error.is_some_and(|e| e != 0)) {
         Some(r) => Err(format!(
             "message {} of {}: {}",
             r.seq,
-            acks.len(),
+            acks.last().copied().unwrap_or_default(),
             std::io::Error::from_raw_os_error(-r.error.unwrap_or_default())
         )),
         None => Ok(()),

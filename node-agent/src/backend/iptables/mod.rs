@@ -172,30 +172,27 @@ impl IptablesBackend {
         Ok(own_chains(&self.ipt.save(table)?))
     }
 
-    fn ensure_jump_rules(&self) -> Result<usize, BackendError> {
-        let mut inserted = 0;
-        // Prepending in reverse keeps the list order at the top of each built-in chain.
-        for rule in JUMP_RULES.iter().rev() {
-            if self.ipt.ensure_rule(rule.table, rule.chain, &rule.spec())? {
-                inserted += 1;
-            }
-        }
-        Ok(inserted)
-    }
-
     fn sync_inner(
         &mut self,
         snapshot: &Snapshot,
         changes: &Changes,
         full: bool,
     ) -> Result<SyncStats, BackendError> {
-        let (existing_filter, existing_nat) = if full {
-            (
-                self.kernel_chains(Table::Filter)?,
-                self.kernel_chains(Table::Nat)?,
-            )
+        // One iptables-save per table on full syncs: our chains, and which jump rules exist. Running
+        // `iptables -C` per jump rule would cost a whole-table fetch each on large tables.
+        let (existing_filter, existing_nat, missing_jumps) = if full {
+            let filter_save = self.ipt.save(Table::Filter)?;
+            let nat_save = self.ipt.save(Table::Nat)?;
+            let missing: Vec<&JumpRule> = JUMP_RULES
+                .iter()
+                .filter(|r| {
+                    let save = if r.table == Table::Filter { &filter_save } else { &nat_save };
+                    !save.lines().any(|l| l == r.save_line())
+                })
+                .collect();
+            (own_chains(&filter_save), own_chains(&nat_save), missing)
         } else {
-            (self.filter_chains.clone(), self.nat_chains.clone())
+            (self.filter_chains.clone(), self.nat_chains.clone(), Vec::new())
         };
         let mut rendered = render::render(snapshot, &self.settings, if full { None } else { Some(changes) });
         let mut full = full;
@@ -215,7 +212,20 @@ impl IptablesBackend {
             .cloned()
             .collect();
         let stale_nat: BTreeSet<String> = existing_nat.difference(&rendered.nat_chains).cloned().collect();
-        let input = rendered.restore_input(&stale_filter, &stale_nat);
+        // Inserting at position 1 in reverse keeps JUMP_RULES' order at the top of each chain.
+        let insert = |table: Table| -> Vec<String> {
+            missing_jumps
+                .iter()
+                .rev()
+                .filter(|r| r.table == table)
+                .map(|r| r.save_line().replacen(&format!("-A {} ", r.chain), &format!("-I {} 1 ", r.chain), 1))
+                .collect()
+        };
+        let input = if full {
+            rendered.restore_input_with_jumps(&stale_filter, &stale_nat, &insert(Table::Filter), &insert(Table::Nat))
+        } else {
+            rendered.restore_input(&stale_filter, &stale_nat)
+        };
         self.ipt.restore(&input).map_err(|e| match e {
             IptablesError::Failed { stderr, .. } => BackendError::Kernel {
                 backend: BACKEND,
@@ -223,10 +233,7 @@ impl IptablesBackend {
             },
             other => other.into(),
         })?;
-        let mut objects = rendered.objects() + stale_filter.len() + stale_nat.len();
-        if full {
-            objects += self.ensure_jump_rules()?;
-        }
+        let objects = rendered.objects() + stale_filter.len() + stale_nat.len() + missing_jumps.len();
         self.filter_chains = rendered.filter_chains.clone();
         self.nat_chains = rendered.nat_chains.clone();
         Ok(SyncStats {

@@ -79,7 +79,7 @@ impl TableRules {
     }
 
     /// Writes the `*table ... COMMIT` block; `stale` chains are flushed and deleted (`-X`).
-    fn write(&self, name: &str, stale: &BTreeSet<String>, out: &mut String) {
+    fn write(&self, name: &str, stale: &BTreeSet<String>, jumps: &[String], out: &mut String) {
         out.push('*');
         out.push_str(name);
         out.push('\n');
@@ -97,6 +97,10 @@ impl TableRules {
                 out.push_str(rule);
                 out.push('\n');
             }
+        }
+        for jump in jumps {
+            out.push_str(jump);
+            out.push('\n');
         }
         for chain in stale {
             out.push_str(&format!("-X {chain}\n"));
@@ -128,9 +132,21 @@ pub struct Rendered {
 impl Rendered {
     /// `iptables-restore --noflush` input writing this render and deleting the `stale_*` chains.
     pub fn restore_input(&self, stale_filter: &BTreeSet<String>, stale_nat: &BTreeSet<String>) -> String {
+        self.restore_input_with_jumps(stale_filter, stale_nat, &[], &[])
+    }
+
+    /// Restore input that also inserts jump rules from built-in chains (`-I CHAIN 1 ...` lines,
+    /// which `--noflush` applies without flushing the built-in chain).
+    pub fn restore_input_with_jumps(
+        &self,
+        stale_filter: &BTreeSet<String>,
+        stale_nat: &BTreeSet<String>,
+        filter_jumps: &[String],
+        nat_jumps: &[String],
+    ) -> String {
         let mut out = String::new();
-        self.filter.write("filter", stale_filter, &mut out);
-        self.nat.write("nat", stale_nat, &mut out);
+        self.filter.write("filter", stale_filter, filter_jumps, &mut out);
+        self.nat.write("nat", stale_nat, nat_jumps, &mut out);
         out
     }
 

@@ -95,6 +95,7 @@ pub struct Batch {
     messages: Vec<u8>,
     count: u32,
     set_ids: u32,
+    last: usize,
 }
 
 impl Batch {
@@ -115,11 +116,21 @@ impl Batch {
 
     fn push(&mut self, msg: Msg, flags: u16, attrs: Nla) {
         self.count += 1;
-        self.messages.extend(message(msg, flags | NLM_F_ACK, self.count, attrs));
+        self.last = self.messages.len();
+        self.messages.extend(message(msg, flags, self.count, attrs));
     }
 
-    /// The framed batch (begin, messages 1..=n, end) and the sequence numbers to await.
-    pub fn finish(self) -> (Vec<u8>, Vec<u32>) {
+    /// The framed batch (begin, messages 1..=n, end) and the sequence number to await.
+    ///
+    /// Only the last message asks for an ack: the kernel reports every failing message anyway, in
+    /// order, before that ack, so one ack proves the whole transaction was processed without
+    /// needing a receive buffer for one ack per message.
+    pub fn finish(mut self) -> (Vec<u8>, Vec<u32>) {
+        if self.count > 0 {
+            let at = self.last + 6;
+            let flags = u16::from_ne_bytes([self.messages[at], self.messages[at + 1]]) | NLM_F_ACK;
+            self.messages[at..at + 2].copy_from_slice(&flags.to_ne_bytes());
+        }
         let begin_end = |k: u16, seq: u32| {
             let id = NFNL_SUBSYS_NFTABLES.to_be_bytes();
             MessageBuilder::new(k, NLM_F_REQUEST, seq, &[0, 0, id[0], id[1]]).finish()
@@ -127,7 +138,7 @@ impl Batch {
         let mut out = begin_end(0x10, 0);
         out.extend_from_slice(&self.messages);
         out.extend(begin_end(0x11, self.count + 1));
-        (out, (1..=self.count).collect())
+        (out, vec![self.count])
     }
 
     /// `add table ip switchyard` (no error if it exists).
@@ -222,26 +233,35 @@ impl Batch {
         self.push(Msg::DelSetElem, 0, Nla::default().str(1, TABLE).str(2, name));
     }
 
-    /// Adds (`add == true`) or deletes elements of `set`, in messages of at most 1024 elements.
+    /// Adds (`add == true`) or deletes elements of `set`, split into messages whose element list
+    /// stays below the 64 KiB netlink attribute limit.
     pub fn elements(&mut self, set: &str, elements: &[&Element], add: bool) {
-        for chunk in elements.chunks(1024) {
-            let mut list = Nla::default();
-            for e in chunk {
-                let mut elem = Nla::default().nest(1, Nla::default().put(1, &key_bytes(&e.key)));
-                if add {
-                    if let Some(v) = &e.verdict {
-                        elem = elem.nest(2, verdict_data(v));
-                    }
-                    if let Some(c) = &e.comment {
-                        elem = elem.put(6, &udata_string(0, c));
-                    }
+        const LIST_BUDGET: usize = 60_000;
+        let mut list = Nla::default();
+        for e in elements {
+            let mut elem = Nla::default().nest(1, Nla::default().put(1, &key_bytes(&e.key)));
+            if add {
+                if let Some(v) = &e.verdict {
+                    elem = elem.nest(2, verdict_data(v));
                 }
-                list = list.nest(1, elem);
+                if let Some(c) = &e.comment {
+                    elem = elem.put(6, &udata_string(0, c));
+                }
             }
-            let attrs = Nla::default().str(1, TABLE).str(2, set).nest(3, list);
-            let (msg, flags) = if add { (Msg::NewSetElem, NLM_F_CREATE) } else { (Msg::DelSetElem, 0) };
-            self.push(msg, flags, attrs);
+            if list.0.len() + elem.0.len() + 4 > LIST_BUDGET {
+                self.element_message(set, std::mem::take(&mut list), add);
+            }
+            list = list.nest(1, elem);
         }
+        if !list.0.is_empty() {
+            self.element_message(set, list, add);
+        }
+    }
+
+    fn element_message(&mut self, set: &str, list: Nla, add: bool) {
+        let attrs = Nla::default().str(1, TABLE).str(2, set).nest(3, list);
+        let (msg, flags) = if add { (Msg::NewSetElem, NLM_F_CREATE) } else { (Msg::DelSetElem, 0) };
+        self.push(msg, flags, attrs);
     }
 }
 

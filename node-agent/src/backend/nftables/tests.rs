@@ -139,6 +139,7 @@ pub(crate) fn scenario() -> (Snapshot, Settings) {
         masquerade_all: false,
         node_port_addresses: None,
         masquerade_mark: 0x4000,
+        ipvs: Default::default(),
     };
     (s, settings)
 }
