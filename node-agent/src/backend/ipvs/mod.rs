@@ -1,0 +1,522 @@
+//! IPVS backend: kube-proxy's IPVS mode with our own names (kubeproxy.md §3).
+//!
+//! A sync renders the snapshot ([`render::render`], pure), then converges the kernel:
+//! 1. sysctls IPVS mode needs (`net/ipv4/vs/conntrack`, `expire_nodest_conn`,
+//!    `expire_quiescent_template`, `ip_forward`; with strictARP `arp_ignore=1`/`arp_announce=2`);
+//! 2. the dummy link [`render::LINK`];
+//! 3. the `SWY-*` ipsets that changed, each replaced atomically with one `ipset restore`;
+//! 4. our iptables chains `SWY-IPVS-*` with one `iptables-restore --noflush` (and the jump rules
+//!    from the built-in chains on full syncs);
+//! 5. the addresses on the dummy link (new ones before the virtual servers appear);
+//! 6. the virtual servers, diffed against the kernel's dump (full syncs) or the last applied state
+//!    (partial syncs), written in batched generic-netlink requests ([`crate::sys::ipvs`]);
+//! 7. addresses no longer used are unbound.
+//!
+//! Ownership: a virtual server is ours when we created it, when its address is bound on the dummy
+//! link, or when it sits on a node address in the NodePort range; never when its address is in
+//! `excludeCIDRs`. Nothing else in the host's IPVS table is touched (no flush).
+//!
+//! Graceful termination: a real server that leaves a TCP service is set to weight 0 (no new
+//! connections) and deleted at a later sync once it has no active connection; UDP and SCTP real
+//! servers are deleted at once (`expire_nodest_conn` drops their flows). A real server that comes
+//! back while terminating gets weight 1 again.
+
+pub mod render;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+
+use switchyard_crds::v1alpha1::ProxyMode;
+
+use crate::backend::{Backend, BackendError, Settings, SyncStats};
+use crate::model::{Changes, Ipv4Net, Snapshot};
+use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
+use crate::sys::ipvs::{Destination, Ipvs, IpvsError, Op, ServiceKey, VirtualAddr};
+use crate::sys::{ipset, link};
+
+use render::{Desired, JUMP_COMMENT, JUMPS, LINK};
+
+const BACKEND: &str = "ipvs";
+
+/// IPVS-mode settings (KubeProxyConfiguration `ipvs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IpvsOptions {
+    /// Scheduler of every virtual service (`rr`, `wrr`, `lc`, `wlc`, `sh`, `dh`, `sed`, `nq`, `mh`).
+    pub scheduler: String,
+    /// Set `arp_ignore=1` and `arp_announce=2` so the node does not answer ARP for the service
+    /// addresses on the dummy link.
+    pub strict_arp: bool,
+    /// Virtual servers on addresses in these CIDRs are never touched or cleaned up.
+    pub exclude_cidrs: Vec<Ipv4Net>,
+}
+
+impl Default for IpvsOptions {
+    fn default() -> Self {
+        Self {
+            scheduler: "rr".into(),
+            strict_arp: false,
+            exclude_cidrs: Vec::new(),
+        }
+    }
+}
+
+impl From<IpvsError> for BackendError {
+    fn from(e: IpvsError) -> Self {
+        match e {
+            IpvsError::Transport(e) => BackendError::Agent(e),
+            other => BackendError::Kernel {
+                backend: BACKEND,
+                detail: other.to_string(),
+            },
+        }
+    }
+}
+
+fn cmd_err(command: &str) -> impl Fn(String) -> BackendError + '_ {
+    move |detail| BackendError::Command {
+        backend: BACKEND,
+        command: command.to_owned(),
+        detail,
+    }
+}
+
+fn ipt_err(e: IptablesError) -> BackendError {
+    BackendError::Command {
+        backend: BACKEND,
+        command: e.command().to_owned(),
+        detail: e.detail(),
+    }
+}
+
+/// A real server identity within one virtual server.
+type RealKey = (VirtualAddr, IpAddr, u16);
+
+/// The IPVS data plane.
+#[derive(Debug)]
+pub struct IpvsBackend {
+    settings: Settings,
+    ipt: Iptables,
+    ipvs: Option<Ipvs>,
+    /// Virtual servers and real servers (weight 1) applied by the last successful sync.
+    applied: BTreeMap<VirtualAddr, (crate::sys::ipvs::Service, BTreeSet<(Ipv4Addr, u16)>)>,
+    /// Real servers kept at weight 0 until their connections end.
+    terminating: BTreeSet<RealKey>,
+    /// Set contents applied by the last successful sync.
+    sets: BTreeMap<String, ipset::SetSpec>,
+    /// Addresses bound on the link after the last successful sync.
+    bound: BTreeSet<Ipv4Addr>,
+    /// Node addresses NodePorts were programmed on.
+    node_port_ips: Vec<Ipv4Addr>,
+    needs_full: bool,
+}
+
+impl IpvsBackend {
+    /// A backend using the `variant` iptables tools, in the current network namespace.
+    pub fn new(variant: Variant, settings: Settings) -> Self {
+        Self {
+            settings,
+            ipt: Iptables::new(variant, None),
+            ipvs: None,
+            applied: BTreeMap::new(),
+            terminating: BTreeSet::new(),
+            sets: BTreeMap::new(),
+            bound: BTreeSet::new(),
+            node_port_ips: Vec::new(),
+            needs_full: true,
+        }
+    }
+
+    /// The settings it renders with.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Real servers currently draining (weight 0, waiting for their connections to end).
+    pub fn terminating(&self) -> &BTreeSet<(VirtualAddr, IpAddr, u16)> {
+        &self.terminating
+    }
+
+    fn ipvs(&mut self) -> Result<&mut Ipvs, BackendError> {
+        if self.ipvs.is_none() {
+            self.ipvs = Some(Ipvs::open()?);
+        }
+        self.ipvs.as_mut().ok_or_else(|| BackendError::Kernel {
+            backend: BACKEND,
+            detail: "no IPVS socket".into(),
+        })
+    }
+
+    fn excluded(&self, addr: &IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => self.settings.ipvs.exclude_cidrs.iter().any(|c| c.contains(a)),
+            IpAddr::V6(_) => true,
+        }
+    }
+
+    /// The addresses NodePort virtual servers go on: the configured ones, or every local IPv4
+    /// address except loopback and the dummy link's.
+    pub fn node_port_addresses(&self) -> Result<Vec<Ipv4Addr>, BackendError> {
+        if let Some(list) = &self.settings.node_port_addresses {
+            return Ok(list.clone());
+        }
+        let all = link::all_addresses().map_err(|e| cmd_err("ip addr")(e.to_string()))?;
+        let mut ips: Vec<Ipv4Addr> = all
+            .into_iter()
+            .filter(|(dev, a)| dev != LINK && !a.is_loopback())
+            .map(|(_, a)| a)
+            .collect();
+        ips.sort();
+        ips.dedup();
+        Ok(ips)
+    }
+
+    /// Renders with the node addresses this backend would use (reads local addresses when the
+    /// settings do not list NodePort addresses).
+    pub fn desired(&self, snapshot: &Snapshot) -> Result<Desired, BackendError> {
+        Ok(render::render(
+            snapshot,
+            &self.settings,
+            &self.node_port_addresses()?,
+        ))
+    }
+
+    fn sysctls(&self) -> Result<(), BackendError> {
+        let mut list = vec![
+            ("net/ipv4/vs/conntrack", "1"),
+            ("net/ipv4/vs/expire_nodest_conn", "1"),
+            ("net/ipv4/vs/expire_quiescent_template", "1"),
+            ("net/ipv4/ip_forward", "1"),
+        ];
+        if self.settings.ipvs.strict_arp {
+            list.push(("net/ipv4/conf/all/arp_ignore", "1"));
+            list.push(("net/ipv4/conf/all/arp_announce", "2"));
+        }
+        for (path, value) in list {
+            crate::sys::ipvs::set_sysctl(path, value)
+                .map_err(|e| cmd_err("sysctl")(format!("{path}={value}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    fn ensure_jumps(&self) -> Result<usize, BackendError> {
+        let mut inserted = 0;
+        for (nat, chain, target) in JUMPS.iter().rev() {
+            let table = if *nat { Table::Nat } else { Table::Filter };
+            if self
+                .ipt
+                .ensure_rule(table, chain, &jump_spec(target))
+                .map_err(ipt_err)?
+            {
+                inserted += 1;
+            }
+        }
+        Ok(inserted)
+    }
+
+    /// Whether kernel virtual server `v` is ours (see the module doc).
+    fn owns(
+        &self,
+        v: &VirtualAddr,
+        desired: &Desired,
+        linked: &BTreeSet<Ipv4Addr>,
+        node_ips: &[Ipv4Addr],
+    ) -> bool {
+        if self.excluded(&v.addr) {
+            return false;
+        }
+        let IpAddr::V4(a) = v.addr else { return false };
+        desired.virtual_servers.contains_key(v)
+            || self.applied.contains_key(v)
+            || linked.contains(&a)
+            || (node_ips.contains(&a) && render::NODE_PORT_RANGE.contains(&v.port))
+    }
+
+    fn sync_inner(&mut self, snapshot: &Snapshot, full: bool) -> Result<SyncStats, BackendError> {
+        let mut objects = 0;
+        if full {
+            self.sysctls()?;
+            if link::ensure_dummy(LINK).map_err(|e| cmd_err("ip link")(e.to_string()))? {
+                objects += 1;
+            }
+            self.node_port_ips = self.node_port_addresses()?;
+        }
+        let desired = render::render(snapshot, &self.settings, &self.node_port_ips);
+
+        // ipsets (before the rules that reference them).
+        let changed: Vec<&ipset::SetSpec> = desired
+            .sets
+            .values()
+            .filter(|s| full || self.sets.get(&s.name) != Some(*s))
+            .collect();
+        ipset::restore(&changed).map_err(|e| cmd_err("ipset restore")(e.to_string()))?;
+        objects += changed.iter().map(|s| s.entries.len() + 1).sum::<usize>();
+
+        // iptables: the chains are small and fixed; rewrite them every sync.
+        self.ipt.restore(&desired.restore_input()).map_err(ipt_err)?;
+        objects += desired.filter.rule_count() + desired.nat.rule_count();
+        if full {
+            objects += self.ensure_jumps()?;
+        }
+
+        // Addresses: bind new ones first.
+        let linked = if full {
+            link::addresses(LINK).map_err(|e| cmd_err("ip addr")(e.to_string()))?
+        } else {
+            self.bound.clone()
+        };
+        let add: BTreeSet<Ipv4Addr> = desired.bind.difference(&linked).copied().collect();
+        link::update_addresses(LINK, &add, &BTreeSet::new())
+            .map_err(|e| cmd_err("ip -batch")(e.to_string()))?;
+        objects += add.len();
+
+        objects += self.sync_ipvs(&desired, &linked, full)?;
+
+        let remove: BTreeSet<Ipv4Addr> = linked.difference(&desired.bind).copied().collect();
+        link::update_addresses(LINK, &BTreeSet::new(), &remove)
+            .map_err(|e| cmd_err("ip -batch")(e.to_string()))?;
+        objects += remove.len();
+
+        self.bound = desired.bind.clone();
+        self.sets = desired.sets.clone();
+        self.applied = desired
+            .virtual_servers
+            .iter()
+            .map(|(k, v)| (*k, (v.service.clone(), v.reals.clone())))
+            .collect();
+        Ok(SyncStats {
+            full,
+            services: desired.services,
+            endpoints: desired.endpoints,
+            objects_written: objects,
+            rules_total: desired.objects(),
+        })
+    }
+
+    /// Converges the IPVS table; returns the number of requests sent.
+    fn sync_ipvs(
+        &mut self,
+        desired: &Desired,
+        linked: &BTreeSet<Ipv4Addr>,
+        full: bool,
+    ) -> Result<usize, BackendError> {
+        let node_ips = self.node_port_ips.clone();
+        let listed = self.ipvs()?.services()?;
+        let mut kernel: BTreeMap<VirtualAddr, crate::sys::ipvs::Service> = BTreeMap::new();
+        for (key, svc) in listed {
+            if let (ServiceKey::Addr(v), Some(svc)) = (key, svc)
+                && self.owns(&v, desired, linked, &node_ips)
+            {
+                kernel.insert(v, svc);
+            }
+        }
+        let (mut adds, mut dest_ops, mut deletes) = (Vec::new(), Vec::new(), Vec::new());
+        let mut terminating = BTreeSet::new();
+        for (key, vs) in &desired.virtual_servers {
+            let Some(current) = kernel.get(key) else {
+                adds.push(Op::AddService(vs.service.clone()));
+                for (ip, port) in &vs.reals {
+                    adds.push(Op::AddDest(*key, Destination::masq(IpAddr::V4(*ip), *port, 1)));
+                }
+                continue;
+            };
+            if *current != vs.service {
+                adds.push(Op::UpdateService(vs.service.clone()));
+            }
+            let draining = self.terminating.iter().any(|(v, _, _)| v == key);
+            let unchanged = self.applied.get(key).is_some_and(|(_, reals)| *reals == vs.reals);
+            if !full && unchanged && !draining {
+                continue;
+            }
+            let dests = self.ipvs()?.destinations(key)?;
+            let want = |d: &Destination| match d.addr {
+                IpAddr::V4(a) => vs.reals.contains(&(a, d.port)),
+                IpAddr::V6(_) => false,
+            };
+            for d in &dests {
+                if want(d) {
+                    if d.weight != 1 || d.fwd_method != crate::sys::ipvs::FWD_MASQ {
+                        dest_ops.push(Op::UpdateDest(*key, Destination::masq(d.addr, d.port, 1)));
+                    }
+                } else if key.protocol != crate::sys::ipvs::Protocol::Tcp || d.active_conns == 0 {
+                    dest_ops.push(Op::DeleteDest(*key, d.addr, d.port));
+                } else {
+                    if d.weight != 0 {
+                        dest_ops.push(Op::UpdateDest(
+                            *key,
+                            Destination {
+                                weight: 0,
+                                ..d.clone()
+                            },
+                        ));
+                    }
+                    terminating.insert((*key, d.addr, d.port));
+                }
+            }
+            for (ip, port) in &vs.reals {
+                if !dests.iter().any(|d| d.addr == IpAddr::V4(*ip) && d.port == *port) {
+                    dest_ops.push(Op::AddDest(*key, Destination::masq(IpAddr::V4(*ip), *port, 1)));
+                }
+            }
+        }
+        for key in kernel.keys().filter(|k| !desired.virtual_servers.contains_key(k)) {
+            deletes.push(Op::DeleteService(*key));
+        }
+        let mut ops = adds;
+        ops.extend(dest_ops);
+        ops.extend(deletes);
+        let refused = self.ipvs()?.apply(&ops)?;
+        self.terminating = terminating;
+        if let Some((op, errno)) = refused.first() {
+            return Err(BackendError::Kernel {
+                backend: BACKEND,
+                detail: format!(
+                    "{} of {} IPVS requests refused; first: {op}: {}",
+                    refused.len(),
+                    ops.len(),
+                    std::io::Error::from_raw_os_error(-errno)
+                ),
+            });
+        }
+        Ok(ops.len())
+    }
+
+    fn cleanup_ipvs(&mut self) -> Result<(), BackendError> {
+        let ipvs = match Ipvs::open() {
+            Ok(i) => i,
+            // No IPVS in this kernel: nothing of ours can exist.
+            Err(IpvsError::Unavailable(_)) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        self.ipvs = Some(ipvs);
+        let linked = link::addresses(LINK).map_err(|e| cmd_err("ip addr")(e.to_string()))?;
+        let node_ips: Vec<Ipv4Addr> = link::all_addresses()
+            .map_err(|e| cmd_err("ip addr")(e.to_string()))?
+            .into_iter()
+            .filter(|(dev, a)| dev != LINK && !a.is_loopback())
+            .map(|(_, a)| a)
+            .collect();
+        let empty = Desired::default();
+        let listed = self.ipvs()?.services()?;
+        let ops: Vec<Op> = listed
+            .into_iter()
+            .filter_map(|(key, _)| match key {
+                ServiceKey::Addr(v) if self.owns(&v, &empty, &linked, &node_ips) => {
+                    Some(Op::DeleteService(v))
+                }
+                _ => None,
+            })
+            .collect();
+        let refused = self.ipvs()?.apply(&ops)?;
+        // ENOENT: somebody else removed it meanwhile.
+        if let Some((op, errno)) = refused.iter().find(|(_, e)| *e != -2) {
+            return Err(BackendError::Kernel {
+                backend: BACKEND,
+                detail: format!("{op}: {}", std::io::Error::from_raw_os_error(-errno)),
+            });
+        }
+        Ok(())
+    }
+
+    fn cleanup_iptables(&self) -> Result<(), BackendError> {
+        for table in [Table::Filter, Table::Nat] {
+            let save = match self.ipt.save(table) {
+                Ok(s) => s,
+                // The variant's tools are not installed: nothing of ours there.
+                Err(IptablesError::Spawn { .. }) => continue,
+                Err(e) => return Err(ipt_err(e)),
+            };
+            let ours: BTreeSet<String> = save
+                .lines()
+                .filter_map(|l| l.strip_prefix(':'))
+                .filter_map(|l| l.split_whitespace().next())
+                .filter(|c| c.starts_with(render::CHAIN_PREFIX))
+                .map(str::to_owned)
+                .collect();
+            if ours.is_empty() {
+                continue;
+            }
+            for (nat, chain, target) in JUMPS {
+                if nat == (table == Table::Nat) && ours.contains(target) {
+                    self.ipt
+                        .remove_rule(table, chain, &jump_spec(target))
+                        .map_err(ipt_err)?;
+                }
+            }
+            let mut input = format!("*{}\n", table.as_str());
+            for c in &ours {
+                input.push_str(&format!(":{c} - [0:0]\n"));
+            }
+            for c in &ours {
+                input.push_str(&format!("-X {c}\n"));
+            }
+            input.push_str("COMMIT\n");
+            self.ipt.restore(&input).map_err(ipt_err)?;
+        }
+        Ok(())
+    }
+}
+
+/// The arguments of a jump rule into `target`.
+fn jump_spec(target: &'static str) -> Vec<&'static str> {
+    vec!["-m", "comment", "--comment", JUMP_COMMENT, "-j", target]
+}
+
+impl Backend for IpvsBackend {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ipvs
+    }
+
+    fn sync(
+        &mut self,
+        snapshot: &Snapshot,
+        _changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError> {
+        // Partial syncs diff against the last applied state (the change set is implied by it).
+        let full = full || self.needs_full;
+        let result = self.sync_inner(snapshot, full);
+        self.needs_full = result.is_err();
+        result
+    }
+
+    fn cleanup(&mut self) -> Result<(), BackendError> {
+        self.needs_full = true;
+        self.applied.clear();
+        self.terminating.clear();
+        self.sets.clear();
+        self.bound.clear();
+        let mut first_error = self.cleanup_ipvs().err();
+        if let Err(e) = link::delete(LINK) {
+            first_error.get_or_insert(cmd_err("ip link del")(e.to_string()));
+        }
+        if let Err(e) = self.cleanup_iptables() {
+            first_error.get_or_insert(e);
+        }
+        // Sets last: iptables rules referencing them block their destruction.
+        match ipset::list_names(ipset::SET_PREFIX) {
+            Ok(names) => {
+                if let Err(e) = ipset::destroy(&names) {
+                    first_error.get_or_insert(cmd_err("ipset destroy")(e.to_string()));
+                }
+            }
+            Err(ipset::IpsetError::Spawn { .. }) => {}
+            Err(e) => {
+                first_error.get_or_insert(cmd_err("ipset list")(e.to_string()));
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn render_text(&self, snapshot: &Snapshot) -> String {
+        let ips = self
+            .node_port_addresses()
+            .unwrap_or_else(|_| self.settings.node.addresses.clone());
+        render::render(snapshot, &self.settings, &ips).text()
+    }
+}

@@ -1,0 +1,675 @@
+//! The pure render of a [`Snapshot`] into the desired IPVS-mode state: virtual servers and their
+//! real servers, the addresses bound on `swy-ipvs0`, the `SWY-*` ipsets and the few iptables rules
+//! (chains `SWY-IPVS-*`). No kernel access; golden-tested.
+//!
+//! Layout (kube-proxy's IPVS mode, kubeproxy.md §3, with our names):
+//! - one virtual server per ClusterIP, external IP, load-balancer IP and node address + NodePort
+//!   of every service port, scheduler from the settings (default `rr`; `mh` adds `mh-port`),
+//!   `persistent` with the affinity timeout for ClientIP affinity; real servers masqueraded with
+//!   weight 1: the cluster endpoints, or the node-local ones for `Local` traffic policies. A
+//!   service without endpoints keeps its virtual server with no real servers: IPVS then answers
+//!   new connections with ICMP port-unreachable (a reject), as in kube-proxy's IPVS mode.
+//! - ClusterIPs, external IPs and load-balancer IPs that are not node addresses are bound to the
+//!   dummy link so IPVS sees their traffic in LOCAL_IN.
+//! - ipsets tell the iptables rules which destinations are services: masquerade marks (cluster
+//!   IPs from outside the cluster CIDR, external IPs, load balancers and node ports unless their
+//!   policy is Local), hairpin masquerade (`SWY-LOOP-BACK`), load-balancer source ranges, and
+//!   `SWY-IPVS-FILTER`, which rejects new connections to service addresses on ports that are not
+//!   services (kubernetes#72236).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+
+use crate::backend::Settings;
+use crate::model::{Endpoint, Protocol, ServicePort, Snapshot, categorize};
+use crate::sys::ipset::SetSpec;
+use crate::sys::ipvs::{self, FLAG_PERSISTENT, FLAG_SCHED2, VirtualAddr};
+
+/// The dummy link carrying service addresses.
+pub const LINK: &str = "swy-ipvs0";
+/// Prefix of every iptables chain of IPVS mode.
+pub const CHAIN_PREFIX: &str = "SWY-IPVS-";
+/// nat: entry from PREROUTING and OUTPUT.
+pub const SERVICES: &str = "SWY-IPVS-SERVICES";
+/// nat: masquerade of marked traffic (from POSTROUTING).
+pub const POSTROUTING: &str = "SWY-IPVS-POSTROUTING";
+/// nat: sets the masquerade mark.
+pub const MARK_MASQ: &str = "SWY-IPVS-MARK-MASQ";
+/// nat: node ports; filter: health-check node ports (from INPUT).
+pub const NODE_PORT: &str = "SWY-IPVS-NODE-PORT";
+/// nat: load balancers.
+pub const LOAD_BALANCER: &str = "SWY-IPVS-LOAD-BALANCER";
+/// filter: forwarding of service traffic (from FORWARD).
+pub const FORWARD: &str = "SWY-IPVS-FORWARD";
+/// filter: load-balancer source ranges (from INPUT and FORWARD).
+pub const FIREWALL: &str = "SWY-IPVS-FIREWALL";
+/// filter: drop what no source range allows.
+pub const SOURCE_RANGES: &str = "SWY-IPVS-SRC-RANGES";
+/// filter: reject new connections to service addresses on non-service ports (from INPUT).
+pub const FILTER: &str = "SWY-IPVS-FILTER";
+
+/// Sets (name, type and create options), in the order they are created.
+pub const SETS: [(&str, &str); 16] = [
+    (
+        CLUSTER_IP,
+        "hash:ip,port family inet hashsize 1024 maxelem 1048576",
+    ),
+    (
+        EXTERNAL_IP,
+        "hash:ip,port family inet hashsize 1024 maxelem 1048576",
+    ),
+    (
+        EXTERNAL_IP_LOCAL,
+        "hash:ip,port family inet hashsize 1024 maxelem 1048576",
+    ),
+    (LB, "hash:ip,port family inet hashsize 1024 maxelem 1048576"),
+    (LB_LOCAL, "hash:ip,port family inet hashsize 1024 maxelem 1048576"),
+    (LB_FW, "hash:ip,port family inet hashsize 1024 maxelem 1048576"),
+    (
+        LB_SOURCE_CIDR,
+        "hash:ip,port,net family inet hashsize 1024 maxelem 1048576",
+    ),
+    (NODE_PORT_TCP, "bitmap:port range 0-65535"),
+    (NODE_PORT_LOCAL_TCP, "bitmap:port range 0-65535"),
+    (NODE_PORT_UDP, "bitmap:port range 0-65535"),
+    (NODE_PORT_LOCAL_UDP, "bitmap:port range 0-65535"),
+    (
+        NODE_PORT_SCTP,
+        "hash:ip,port family inet hashsize 1024 maxelem 1048576",
+    ),
+    (
+        NODE_PORT_LOCAL_SCTP,
+        "hash:ip,port family inet hashsize 1024 maxelem 1048576",
+    ),
+    (HEALTH_CHECK_NODE_PORT, "bitmap:port range 0-65535"),
+    (
+        LOOP_BACK,
+        "hash:ip,port,ip family inet hashsize 1024 maxelem 1048576",
+    ),
+    (IPVS_IPS, "hash:ip family inet hashsize 1024 maxelem 1048576"),
+];
+/// Every ClusterIP,proto:port.
+pub const CLUSTER_IP: &str = "SWY-CLUSTER-IP";
+/// External IPs of Cluster-policy services.
+pub const EXTERNAL_IP: &str = "SWY-EXTERNAL-IP";
+/// External IPs of Local-policy services.
+pub const EXTERNAL_IP_LOCAL: &str = "SWY-EXTERNAL-IP-LOCAL";
+/// Every load-balancer IP,proto:port.
+pub const LB: &str = "SWY-LOAD-BALANCER";
+/// Load-balancer IPs of Local-policy services.
+pub const LB_LOCAL: &str = "SWY-LOAD-BALANCER-LOCAL";
+/// Load-balancer IPs with source ranges.
+pub const LB_FW: &str = "SWY-LOAD-BALANCER-FW";
+/// Allowed `lbIP,proto:port,sourceCIDR`.
+pub const LB_SOURCE_CIDR: &str = "SWY-LOAD-BALANCER-SOURCE-CIDR";
+/// TCP node ports.
+pub const NODE_PORT_TCP: &str = "SWY-NODE-PORT-TCP";
+/// TCP node ports of Local-policy services.
+pub const NODE_PORT_LOCAL_TCP: &str = "SWY-NODE-PORT-LOCAL-TCP";
+/// UDP node ports.
+pub const NODE_PORT_UDP: &str = "SWY-NODE-PORT-UDP";
+/// UDP node ports of Local-policy services.
+pub const NODE_PORT_LOCAL_UDP: &str = "SWY-NODE-PORT-LOCAL-UDP";
+/// SCTP node ports (`nodeIP,sctp:port`).
+pub const NODE_PORT_SCTP: &str = "SWY-NODE-PORT-SCTP-HASH";
+/// SCTP node ports of Local-policy services.
+pub const NODE_PORT_LOCAL_SCTP: &str = "SWY-NODE-PORT-LOCAL-SCTP-HASH";
+/// Health-check node ports.
+pub const HEALTH_CHECK_NODE_PORT: &str = "SWY-HEALTH-CHECK-NODE-PORT";
+/// Local endpoints `ip,proto:port,ip` (hairpin).
+pub const LOOP_BACK: &str = "SWY-LOOP-BACK";
+/// Every address bound on the dummy link.
+pub const IPVS_IPS: &str = "SWY-IPVS-IPS";
+
+/// The range Kubernetes allocates node ports from; virtual servers on node addresses in this
+/// range are treated as ours.
+pub const NODE_PORT_RANGE: std::ops::RangeInclusive<u16> = 30000..=32767;
+
+/// A jump from a built-in chain into one of ours: `(table is nat, built-in chain, our chain)`.
+pub const JUMPS: [(bool, &str, &str); 8] = [
+    (true, "PREROUTING", SERVICES),
+    (true, "OUTPUT", SERVICES),
+    (true, "POSTROUTING", POSTROUTING),
+    (false, "FORWARD", FORWARD),
+    (false, "INPUT", NODE_PORT),
+    (false, "INPUT", FIREWALL),
+    (false, "FORWARD", FIREWALL),
+    (false, "INPUT", FILTER),
+];
+
+/// The comment of every jump rule (so cleanup finds exactly ours).
+pub const JUMP_COMMENT: &str = "switchyard IPVS mode";
+
+/// One virtual server with its real servers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VirtualServer {
+    /// Scheduler, flags and persistence timeout.
+    pub service: ipvs::Service,
+    /// Real servers (address, port), all masqueraded with weight 1.
+    pub reals: BTreeSet<(Ipv4Addr, u16)>,
+}
+
+/// Rules of one table: chains in declaration order with their rule lines.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Chains {
+    /// Chain name -> `-A CHAIN ...` lines.
+    pub chains: BTreeMap<&'static str, Vec<String>>,
+}
+
+impl Chains {
+    fn add(&mut self, chain: &'static str, spec: impl AsRef<str>) {
+        self.chains
+            .entry(chain)
+            .or_default()
+            .push(format!("-A {chain} {}", spec.as_ref()));
+    }
+
+    /// Number of rules.
+    pub fn rule_count(&self) -> usize {
+        self.chains.values().map(Vec::len).sum()
+    }
+
+    /// `*table ... COMMIT`, flushing and rewriting our chains; `delete` adds `-X` for each.
+    pub fn write(&self, table: &str, delete: bool, out: &mut String) {
+        out.push_str(&format!("*{table}\n"));
+        for chain in self.chains.keys() {
+            out.push_str(&format!(":{chain} - [0:0]\n"));
+        }
+        if delete {
+            for chain in self.chains.keys() {
+                out.push_str(&format!("-X {chain}\n"));
+            }
+        } else {
+            for rule in self.chains.values().flatten() {
+                out.push_str(rule);
+                out.push('\n');
+            }
+        }
+        out.push_str("COMMIT\n");
+    }
+}
+
+/// The whole desired state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Desired {
+    /// Virtual servers by identity.
+    pub virtual_servers: BTreeMap<VirtualAddr, VirtualServer>,
+    /// Addresses bound (as /32) on [`LINK`].
+    pub bind: BTreeSet<Ipv4Addr>,
+    /// Every `SWY-*` set with its entries (empty sets included).
+    pub sets: BTreeMap<String, SetSpec>,
+    /// filter table chains.
+    pub filter: Chains,
+    /// nat table chains.
+    pub nat: Chains,
+    /// Service ports rendered.
+    pub services: usize,
+    /// Real servers in all virtual servers.
+    pub endpoints: usize,
+}
+
+impl Desired {
+    /// `iptables-restore --noflush` input writing our chains.
+    pub fn restore_input(&self) -> String {
+        let mut out = String::new();
+        self.filter.write("filter", false, &mut out);
+        self.nat.write("nat", false, &mut out);
+        out
+    }
+
+    /// Rules, virtual servers, real servers, addresses and set entries in the desired state.
+    pub fn objects(&self) -> usize {
+        self.filter.rule_count()
+            + self.nat.rule_count()
+            + self.virtual_servers.len()
+            + self.endpoints
+            + self.bind.len()
+            + self.sets.values().map(|s| s.entries.len()).sum::<usize>()
+    }
+
+    /// The virtual servers as `ipvsadm -Ln` lists them, in canonical order (protocol, address,
+    /// port; real servers by address and port), connection counters 0, trailing blanks trimmed.
+    pub fn ipvsadm_text(&self) -> String {
+        let mut out = String::from(IPVSADM_HEADER);
+        for vs in self.virtual_servers.values() {
+            out.push_str(&service_line(&vs.service));
+            out.push('\n');
+            for (ip, port) in &vs.reals {
+                out.push_str(&dest_line(&format!("{ip}:{port}"), "Masq", 1));
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    /// The whole render as text: IPVS table, bound addresses, ipsets, iptables rules.
+    pub fn text(&self) -> String {
+        let mut out = String::from("# ipvsadm -Ln\n");
+        out.push_str(&self.ipvsadm_text());
+        out.push_str(&format!("# ip addr show dev {LINK}\n"));
+        for a in &self.bind {
+            out.push_str(&format!("{a}/32\n"));
+        }
+        out.push_str("# ipset save\n");
+        for set in self.sets.values() {
+            out.push_str(&format!("create {} {}\n", set.name, set.kind));
+            for e in &set.entries {
+                out.push_str(&format!("add {} {e}\n", set.name));
+            }
+        }
+        out.push_str("# iptables-restore --noflush\n");
+        out.push_str(&self.restore_input());
+        out
+    }
+}
+
+/// The three header lines of `ipvsadm -Ln` (6.1 kernel, default table size).
+pub const IPVSADM_HEADER: &str = "IP Virtual Server version 1.2.1 (size=4096)\n\
+Prot LocalAddress:Port Scheduler Flags\n  -> RemoteAddress:Port           Forward Weight ActiveConn InActConn\n";
+
+fn service_line(svc: &ipvs::Service) -> String {
+    let addr = match svc.addr.addr {
+        IpAddr::V4(a) => format!("{a}:{}", svc.addr.port),
+        IpAddr::V6(a) => format!("[{a}]:{}", svc.addr.port),
+    };
+    let mut line = format!("{}  {addr} {}", svc.addr.protocol.ipvsadm_name(), svc.scheduler);
+    if svc.flags & FLAG_SCHED2 != 0 && (svc.scheduler == "mh" || svc.scheduler == "sh") {
+        line.push_str(&format!(" ({}-port)", svc.scheduler));
+    }
+    if svc.flags & FLAG_PERSISTENT != 0 {
+        line.push_str(&format!(" persistent {}", svc.timeout));
+    }
+    line
+}
+
+fn dest_line(addr: &str, fwd: &str, weight: u32) -> String {
+    format!("  -> {addr:<28} {fwd:<7} {weight:<6} {:<10} {:<10}", 0, 0)
+        .trim_end()
+        .to_owned()
+}
+
+/// Re-sorts an `ipvsadm -Ln` listing into [`Desired::ipvsadm_text`]'s canonical order with the
+/// connection counters zeroed, keeping only services `keep` accepts (by their line, such as
+/// `TCP  10.96.0.1:80 rr`). Lines it does not understand are kept in place.
+pub fn normalize_ipvsadm(text: &str, keep: impl Fn(&str) -> bool) -> String {
+    let mut lines = text.lines();
+    let mut out = String::new();
+    for _ in 0..3 {
+        if let Some(l) = lines.next() {
+            out.push_str(l.trim_end());
+            out.push('\n');
+        }
+    }
+    type Block = ((u16, IpAddr, u16), String, Vec<((IpAddr, u16), String)>);
+    let mut blocks: Vec<Block> = Vec::new();
+    for line in lines {
+        let line = line.trim_end();
+        if let Some(rest) = line.trim_start().strip_prefix("-> ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let key = f.first().and_then(|a| parse_sock(a));
+            if let (Some(block), Some(key), Some(fwd), Some(weight)) = (
+                blocks.last_mut(),
+                key,
+                f.get(1),
+                f.get(2).and_then(|w| w.parse::<u32>().ok()),
+            ) {
+                block.2.push((key, dest_line(f[0], fwd, weight)));
+            }
+            continue;
+        }
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let proto = match f.first() {
+            Some(&"TCP") => 6,
+            Some(&"UDP") => 17,
+            Some(&"SCTP") => 132,
+            _ => 0,
+        };
+        let key = f
+            .get(1)
+            .and_then(|a| parse_sock(a))
+            .unwrap_or((IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+        blocks.push(((proto, key.0, key.1), line.to_owned(), Vec::new()));
+    }
+    blocks.sort_by_key(|b| b.0);
+    for (_, line, mut dests) in blocks {
+        if !keep(&line) {
+            continue;
+        }
+        dests.sort_by_key(|d| d.0);
+        out.push_str(&line);
+        out.push('\n');
+        for (_, d) in dests {
+            out.push_str(&d);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn parse_sock(s: &str) -> Option<(IpAddr, u16)> {
+    let sock: std::net::SocketAddr = s.parse().ok()?;
+    Some((sock.ip(), sock.port()))
+}
+
+fn ipvs_protocol(p: Protocol) -> ipvs::Protocol {
+    match p {
+        Protocol::Tcp => ipvs::Protocol::Tcp,
+        Protocol::Udp => ipvs::Protocol::Udp,
+        Protocol::Sctp => ipvs::Protocol::Sctp,
+    }
+}
+
+/// Renders `snapshot` for a node whose NodePort virtual servers go on `node_port_ips`.
+/// Pure and deterministic.
+pub fn render(snapshot: &Snapshot, settings: &Settings, node_port_ips: &[Ipv4Addr]) -> Desired {
+    let mut d = Desired {
+        services: snapshot.services.len(),
+        ..Desired::default()
+    };
+    for (name, kind) in SETS {
+        d.sets.insert(
+            name.to_owned(),
+            SetSpec {
+                name: name.to_owned(),
+                kind: kind.to_owned(),
+                entries: BTreeSet::new(),
+            },
+        );
+    }
+    let no_endpoints: Vec<Endpoint> = Vec::new();
+    for (name, sp) in &snapshot.services {
+        let eps = snapshot.endpoints.get(name).unwrap_or(&no_endpoints);
+        render_service(sp, eps, settings, node_port_ips, &mut d);
+    }
+    let bound: Vec<String> = d.bind.iter().map(Ipv4Addr::to_string).collect();
+    set(&mut d, IPVS_IPS).extend(bound);
+    d.endpoints = d.virtual_servers.values().map(|v| v.reals.len()).sum();
+    rules(&mut d, settings);
+    d
+}
+
+fn set<'a>(d: &'a mut Desired, name: &str) -> &'a mut BTreeSet<String> {
+    &mut d
+        .sets
+        .entry(name.to_owned())
+        .or_insert_with(|| SetSpec {
+            name: name.to_owned(),
+            kind: String::new(),
+            entries: BTreeSet::new(),
+        })
+        .entries
+}
+
+fn render_service(
+    sp: &ServicePort,
+    eps: &[Endpoint],
+    settings: &Settings,
+    node_port_ips: &[Ipv4Addr],
+    d: &mut Desired,
+) {
+    let cat = categorize(eps, &settings.node);
+    let to_reals =
+        |list: &[&Endpoint]| -> BTreeSet<(Ipv4Addr, u16)> { list.iter().map(|e| (e.ip, e.port)).collect() };
+    let internal = to_reals(if sp.internal_policy_local {
+        &cat.local
+    } else {
+        &cat.cluster
+    });
+    let external = to_reals(if sp.external_policy_local {
+        &cat.local
+    } else {
+        &cat.cluster
+    });
+    let proto = sp.name.protocol;
+    let p = proto.as_str();
+    let port = sp.port;
+    let scheduler = settings.ipvs.scheduler.clone();
+    let mut flags = 0;
+    if scheduler == "mh" {
+        flags |= FLAG_SCHED2;
+    }
+    let timeout = match sp.affinity_timeout_seconds {
+        Some(t) => {
+            flags |= FLAG_PERSISTENT;
+            t
+        }
+        None => 0,
+    };
+    let node_addrs = &settings.node.addresses;
+    let mut vs = |addr: Ipv4Addr, port: u16, reals: &BTreeSet<(Ipv4Addr, u16)>| {
+        let key = VirtualAddr {
+            protocol: ipvs_protocol(proto),
+            addr: IpAddr::V4(addr),
+            port,
+        };
+        let service = ipvs::Service {
+            addr: key,
+            scheduler: scheduler.clone(),
+            flags,
+            timeout,
+        };
+        d.virtual_servers.insert(
+            key,
+            VirtualServer {
+                service,
+                reals: reals.clone(),
+            },
+        );
+    };
+
+    vs(sp.cluster_ip, port, &internal);
+    for ip in &sp.external_ips {
+        vs(*ip, port, &external);
+    }
+    for ip in &sp.load_balancer_ips {
+        vs(*ip, port, &external);
+    }
+    if let Some(np) = sp.node_port {
+        for ip in node_port_ips {
+            vs(*ip, np, &external);
+        }
+    }
+
+    d.bind.insert(sp.cluster_ip);
+    set(d, CLUSTER_IP).insert(format!("{},{p}:{port}", sp.cluster_ip));
+    for ip in &sp.external_ips {
+        if !node_addrs.contains(ip) {
+            d.bind.insert(*ip);
+        }
+        let name = if sp.external_policy_local {
+            EXTERNAL_IP_LOCAL
+        } else {
+            EXTERNAL_IP
+        };
+        set(d, name).insert(format!("{ip},{p}:{port}"));
+    }
+    for ip in &sp.load_balancer_ips {
+        if !node_addrs.contains(ip) {
+            d.bind.insert(*ip);
+        }
+        let entry = format!("{ip},{p}:{port}");
+        set(d, LB).insert(entry.clone());
+        if sp.external_policy_local {
+            set(d, LB_LOCAL).insert(entry.clone());
+        }
+        if !sp.load_balancer_source_ranges.is_empty() {
+            set(d, LB_FW).insert(entry);
+            for range in &sp.load_balancer_source_ranges {
+                set(d, LB_SOURCE_CIDR).insert(format!("{ip},{p}:{port},{}", range.trunc()));
+            }
+        }
+    }
+    if let Some(np) = sp.node_port {
+        let local = sp.external_policy_local;
+        match proto {
+            Protocol::Tcp | Protocol::Udp => {
+                let (all, loc) = if proto == Protocol::Tcp {
+                    (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP)
+                } else {
+                    (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP)
+                };
+                set(d, all).insert(np.to_string());
+                if local {
+                    set(d, loc).insert(np.to_string());
+                }
+            }
+            Protocol::Sctp => {
+                for ip in node_port_ips {
+                    set(d, NODE_PORT_SCTP).insert(format!("{ip},sctp:{np}"));
+                    if local {
+                        set(d, NODE_PORT_LOCAL_SCTP).insert(format!("{ip},sctp:{np}"));
+                    }
+                }
+            }
+        }
+    }
+    if let Some(hc) = sp.health_check_node_port {
+        set(d, HEALTH_CHECK_NODE_PORT).insert(hc.to_string());
+    }
+    for ep in &cat.local {
+        set(d, LOOP_BACK).insert(format!("{},{p}:{},{}", ep.ip, ep.port, ep.ip));
+    }
+}
+
+fn comment(text: &str) -> String {
+    format!("-m comment --comment \"{text}\"")
+}
+
+/// The fixed iptables rules; they only reference sets, so they do not depend on the services.
+fn rules(d: &mut Desired, settings: &Settings) {
+    let mark = settings.masquerade_mark;
+    let (nat, filter) = (&mut d.nat, &mut d.filter);
+
+    nat.add(SERVICES, "-s 127.0.0.0/8 -j RETURN");
+    let cluster_masq = format!(
+        "{} -m set --match-set {CLUSTER_IP} dst,dst -j {MARK_MASQ}",
+        comment("switchyard cluster IP + port for masquerade purpose")
+    );
+    if settings.masquerade_all {
+        nat.add(SERVICES, cluster_masq);
+    } else if let Some(cidr) = settings.cluster_cidr {
+        nat.add(SERVICES, format!("! -s {} {cluster_masq}", cidr.trunc()));
+    }
+    nat.add(
+        SERVICES,
+        format!(
+            "{} -m set --match-set {EXTERNAL_IP} dst,dst -j {MARK_MASQ}",
+            comment("switchyard external IP + port for masquerade purpose")
+        ),
+    );
+    nat.add(
+        SERVICES,
+        format!(
+            "{} -m set --match-set {LB} dst,dst -j {LOAD_BALANCER}",
+            comment("switchyard load balancer IP + port")
+        ),
+    );
+    match &settings.node_port_addresses {
+        None => nat.add(SERVICES, format!("-m addrtype --dst-type LOCAL -j {NODE_PORT}")),
+        Some(addresses) => {
+            for ip in addresses {
+                nat.add(SERVICES, format!("-d {ip}/32 -j {NODE_PORT}"));
+            }
+        }
+    }
+    nat.add(
+        SERVICES,
+        format!("-m set --match-set {CLUSTER_IP} dst,dst -j ACCEPT"),
+    );
+    nat.add(SERVICES, format!("-m set --match-set {LB} dst,dst -j ACCEPT"));
+    nat.add(
+        LOAD_BALANCER,
+        format!("-m set --match-set {LB_LOCAL} dst,dst -j RETURN"),
+    );
+    nat.add(LOAD_BALANCER, format!("-j {MARK_MASQ}"));
+    for (p, all, local) in [
+        ("tcp", NODE_PORT_TCP, NODE_PORT_LOCAL_TCP),
+        ("udp", NODE_PORT_UDP, NODE_PORT_LOCAL_UDP),
+    ] {
+        nat.add(
+            NODE_PORT,
+            format!("-p {p} -m set --match-set {local} dst -j RETURN"),
+        );
+        nat.add(
+            NODE_PORT,
+            format!("-p {p} -m set --match-set {all} dst -j {MARK_MASQ}"),
+        );
+    }
+    nat.add(
+        NODE_PORT,
+        format!("-p sctp -m set --match-set {NODE_PORT_LOCAL_SCTP} dst,dst -j RETURN"),
+    );
+    nat.add(
+        NODE_PORT,
+        format!("-p sctp -m set --match-set {NODE_PORT_SCTP} dst,dst -j {MARK_MASQ}"),
+    );
+    nat.add(MARK_MASQ, format!("-j MARK --set-xmark {mark:#x}/{mark:#x}"));
+    nat.add(
+        POSTROUTING,
+        format!(
+            "{} -m set --match-set {LOOP_BACK} dst,dst,src -j MASQUERADE",
+            comment("switchyard endpoint hairpin")
+        ),
+    );
+    nat.add(
+        POSTROUTING,
+        format!("-m mark ! --mark {mark:#x}/{mark:#x} -j RETURN"),
+    );
+    nat.add(POSTROUTING, format!("-j MARK --set-xmark {mark:#x}/0x0"));
+    nat.add(
+        POSTROUTING,
+        format!(
+            "{} -j MASQUERADE --random-fully",
+            comment("switchyard service traffic requiring SNAT")
+        ),
+    );
+
+    filter.add(FORWARD, "-m conntrack --ctstate INVALID -j DROP");
+    filter.add(
+        FORWARD,
+        format!(
+            "{} -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT",
+            comment("switchyard forwarding rules")
+        ),
+    );
+    filter.add(
+        FORWARD,
+        format!(
+            "{} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+            comment("switchyard forwarding conntrack rule")
+        ),
+    );
+    filter.add(
+        NODE_PORT,
+        format!(
+            "{} -m set --match-set {HEALTH_CHECK_NODE_PORT} dst -j ACCEPT",
+            comment("switchyard health check node port")
+        ),
+    );
+    filter.add(
+        FIREWALL,
+        format!("-m set --match-set {LB_FW} dst,dst -j {SOURCE_RANGES}"),
+    );
+    filter.add(
+        SOURCE_RANGES,
+        format!("-m set --match-set {LB_SOURCE_CIDR} dst,dst,src -j RETURN"),
+    );
+    filter.add(
+        SOURCE_RANGES,
+        format!("{} -j DROP", comment("switchyard load balancer source ranges")),
+    );
+    for name in [CLUSTER_IP, EXTERNAL_IP, EXTERNAL_IP_LOCAL, LB] {
+        filter.add(FILTER, format!("-m set --match-set {name} dst,dst -j RETURN"));
+    }
+    filter.add(
+        FILTER,
+        format!("-m set --match-set {HEALTH_CHECK_NODE_PORT} dst -j RETURN"),
+    );
+    filter.add(
+        FILTER,
+        format!(
+            "{} -m conntrack --ctstate NEW -m set --match-set {IPVS_IPS} dst -j REJECT --reject-with icmp-port-unreachable",
+            comment("switchyard service addresses on non-service ports")
+        ),
+    );
+}

@@ -1,0 +1,973 @@
+//! Tests of the IPVS backend.
+//!
+//! - Pure (host): the render of a scenario covering every service shape is compared with
+//!   `testdata/scenario.txt`, and the VM scenario's IPVS table with `testdata/vm.ipvsadm`
+//!   (`SWITCHYARD_UPDATE_GOLDEN=1` rewrites both), plus table tests of render details.
+//! - Kernel (`vm` module, ignored on the host): run by `scripts/ipvs-vm.sh` inside a Debian
+//!   kernel with `ip_vs`, with real TCP and UDP between network namespaces (client, director =
+//!   the VM's root namespace, real servers).
+
+use std::net::Ipv4Addr;
+
+use super::render::{self, normalize_ipvsadm, render};
+use super::*;
+use crate::model::{Endpoint, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName};
+
+const NODE: &str = "node-a";
+const REMOTE: &str = "node-b";
+
+fn ip(s: &str) -> Ipv4Addr {
+    s.parse().unwrap()
+}
+
+fn spn(svc: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
+    ServicePortName {
+        service: ServiceName {
+            namespace: "ns".into(),
+            name: svc.into(),
+        },
+        port_name: port_name.into(),
+        protocol,
+    }
+}
+
+fn port(svc: &str, protocol: Protocol, cluster_ip: &str, port: u16) -> ServicePort {
+    ServicePort {
+        name: spn(svc, "p", protocol),
+        cluster_ip: ip(cluster_ip),
+        port,
+        node_port: None,
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        affinity_timeout_seconds: None,
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: None,
+    }
+}
+
+fn ep(addr: &str, port: u16, node: &str) -> Endpoint {
+    Endpoint {
+        ip: ip(addr),
+        port,
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: Some(node.into()),
+        zone_hints: vec![],
+    }
+}
+
+fn add(snapshot: &mut Snapshot, sp: ServicePort, mut eps: Vec<Endpoint>) {
+    eps.sort();
+    if !eps.is_empty() {
+        snapshot.endpoints.insert(sp.name.clone(), eps);
+    }
+    snapshot.services.insert(sp.name.clone(), sp);
+}
+
+fn settings() -> Settings {
+    Settings {
+        node: NodeInfo {
+            name: NODE.into(),
+            addresses: vec![ip("192.168.0.10")],
+            zone: None,
+        },
+        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        ..Settings::default()
+    }
+}
+
+/// Every service shape the backend handles.
+fn scenario() -> Snapshot {
+    let mut s = Snapshot::default();
+    let (tcp, udp, sctp) = (Protocol::Tcp, Protocol::Udp, Protocol::Sctp);
+    add(
+        &mut s,
+        port("one", tcp, "10.96.0.11", 80),
+        vec![ep("10.244.1.11", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        port("three", tcp, "10.96.0.13", 80),
+        vec![
+            ep("10.244.0.13", 8080, NODE),
+            ep("10.244.1.13", 8080, REMOTE),
+            ep("10.244.2.13", 8080, REMOTE),
+        ],
+    );
+    add(
+        &mut s,
+        port("dns", udp, "10.96.0.10", 53),
+        vec![ep("10.244.1.53", 53, REMOTE), ep("10.244.2.53", 53, REMOTE)],
+    );
+    add(
+        &mut s,
+        port("assoc", sctp, "10.96.0.14", 9999),
+        vec![ep("10.244.1.14", 9999, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30020),
+            ..port("np", tcp, "10.96.0.20", 80)
+        },
+        vec![ep("10.244.1.20", 8080, REMOTE), ep("10.244.2.20", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30021),
+            ..port("np-udp", udp, "10.96.0.22", 53)
+        },
+        vec![ep("10.244.1.22", 53, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            external_ips: vec![ip("203.0.113.21")],
+            ..port("ext", tcp, "10.96.0.21", 443)
+        },
+        vec![ep("10.244.1.21", 8443, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30030),
+            load_balancer_ips: vec![ip("198.51.100.30")],
+            load_balancer_source_ranges: vec![
+                "192.168.0.0/24".parse().unwrap(),
+                "203.0.113.0/24".parse().unwrap(),
+            ],
+            ..port("lb", tcp, "10.96.0.30", 80)
+        },
+        vec![ep("10.244.1.30", 8080, REMOTE), ep("10.244.2.30", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            affinity_timeout_seconds: Some(10800),
+            ..port("sticky", tcp, "10.96.0.31", 80)
+        },
+        vec![ep("10.244.1.31", 8080, REMOTE), ep("10.244.2.31", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30040),
+            load_balancer_ips: vec![ip("198.51.100.40")],
+            external_policy_local: true,
+            health_check_node_port: Some(32000),
+            ..port("etp-local", tcp, "10.96.0.40", 80)
+        },
+        vec![ep("10.244.0.40", 8080, NODE), ep("10.244.1.40", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            internal_policy_local: true,
+            ..port("itp-local", tcp, "10.96.0.41", 80)
+        },
+        vec![ep("10.244.1.41", 8080, REMOTE)],
+    );
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30050),
+            ..port("sctp-np", sctp, "10.96.0.42", 7777)
+        },
+        vec![ep("10.244.1.42", 7777, REMOTE)],
+    );
+    add(&mut s, port("empty", tcp, "10.96.0.50", 80), vec![]);
+    add(
+        &mut s,
+        port("terminating", tcp, "10.96.0.51", 80),
+        vec![Endpoint {
+            ready: false,
+            terminating: true,
+            ..ep("10.244.1.51", 8080, REMOTE)
+        }],
+    );
+    s
+}
+
+fn golden_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/backend/ipvs/testdata")
+        .join(name)
+}
+
+/// Compares `actual` with golden `name`; `SWITCHYARD_UPDATE_GOLDEN=1` rewrites the golden.
+fn check_golden(name: &str, actual: &str) {
+    let path = golden_path(name);
+    if std::env::var("SWITCHYARD_UPDATE_GOLDEN").as_deref() == Ok("1") {
+        std::fs::write(&path, actual).unwrap();
+    }
+    let want =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read golden {}: {e}", path.display()));
+    assert_eq!(
+        actual,
+        want,
+        "{} differs (SWITCHYARD_UPDATE_GOLDEN=1 rewrites it)",
+        path.display()
+    );
+}
+
+#[test]
+fn ipvs_render_is_golden() {
+    let d = render(&scenario(), &settings(), &[ip("192.168.0.10")]);
+    check_golden("scenario.txt", &d.text());
+}
+
+#[test]
+fn ipvs_vm_scenario_listing_is_golden() {
+    check_golden(
+        "vm.ipvsadm",
+        &render(&vm_scenario(), &vm_settings("rr"), &[ip(VM_NODE_IP)]).ipvsadm_text(),
+    );
+}
+
+#[test]
+fn ipvs_render_semantics() {
+    let d = render(
+        &scenario(),
+        &settings(),
+        &[ip("192.168.0.10"), ip("192.168.1.10")],
+    );
+    let vs = |proto: crate::sys::ipvs::Protocol, a: &str, port: u16| {
+        d.virtual_servers
+            .get(&VirtualAddr {
+                protocol: proto,
+                addr: IpAddr::V4(ip(a)),
+                port,
+            })
+            .unwrap_or_else(|| panic!("no virtual server {a}:{port}"))
+    };
+    use crate::sys::ipvs::Protocol as P;
+    // No endpoints: the virtual server stays, without real servers (IPVS rejects).
+    assert!(vs(P::Tcp, "10.96.0.50", 80).reals.is_empty());
+    // Terminating-only endpoints are the fallback.
+    assert_eq!(vs(P::Tcp, "10.96.0.51", 80).reals.len(), 1);
+    // ETP=Local: external destinations only get the local endpoint; the ClusterIP gets both.
+    assert_eq!(
+        vs(P::Tcp, "192.168.1.10", 30040).reals,
+        [(ip("10.244.0.40"), 8080)].into()
+    );
+    assert_eq!(vs(P::Tcp, "198.51.100.40", 80).reals.len(), 1);
+    assert_eq!(vs(P::Tcp, "10.96.0.40", 80).reals.len(), 2);
+    // ITP=Local without a local endpoint: no real server for the ClusterIP.
+    assert!(vs(P::Tcp, "10.96.0.41", 80).reals.is_empty());
+    // Affinity: persistence with the timeout.
+    let sticky = &vs(P::Tcp, "10.96.0.31", 80).service;
+    assert_eq!(
+        (sticky.flags, sticky.timeout, sticky.scheduler.as_str()),
+        (crate::sys::ipvs::FLAG_PERSISTENT, 10800, "rr")
+    );
+    // Load-balancer and external IPs are bound unless they are node addresses.
+    assert!(d.bind.contains(&ip("198.51.100.30")) && d.bind.contains(&ip("203.0.113.21")));
+    assert!(!d.bind.contains(&ip("192.168.0.10")));
+    assert_eq!(d.sets[render::IPVS_IPS].entries.len(), d.bind.len());
+    // mh gets mh-port (kube-proxy's FlagSourceHash).
+    let mut mh = settings();
+    mh.ipvs.scheduler = "mh".into();
+    let d = render(&scenario(), &mh, &[]);
+    assert!(
+        d.virtual_servers
+            .values()
+            .all(|v| v.service.flags & crate::sys::ipvs::FLAG_SCHED2 != 0)
+    );
+    assert!(d.ipvsadm_text().contains("TCP  10.96.0.11:80 mh (mh-port)"));
+}
+
+#[test]
+fn ipvs_normalize_sorts_and_zeroes_counters() {
+    let listed = "IP Virtual Server version 1.2.1 (size=4096)\n\
+Prot LocalAddress:Port Scheduler Flags\n  -> RemoteAddress:Port           Forward Weight ActiveConn InActConn\n\
+UDP  10.96.0.10:53 rr\n  -> 10.244.2.53:53                Masq    1      0          3         \n  -> 10.244.1.53:53                Masq    1      0          0         \n\
+TCP  192.0.2.1:80 wlc\n\
+TCP  10.96.0.11:80 rr\n  -> 10.244.1.11:8080              Masq    1      2          7         \n";
+    let want = "IP Virtual Server version 1.2.1 (size=4096)\n\
+Prot LocalAddress:Port Scheduler Flags\n  -> RemoteAddress:Port           Forward Weight ActiveConn InActConn\n\
+TCP  10.96.0.11:80 rr\n  -> 10.244.1.11:8080             Masq    1      0          0\n\
+UDP  10.96.0.10:53 rr\n  -> 10.244.1.53:53               Masq    1      0          0\n  -> 10.244.2.53:53               Masq    1      0          0\n";
+    assert_eq!(normalize_ipvsadm(listed, |l| !l.contains("192.0.2.1")), want);
+}
+
+#[test]
+fn ipvs_ownership_respects_excluded_cidrs() {
+    let mut s = settings();
+    s.ipvs.exclude_cidrs = vec!["10.96.9.0/24".parse().unwrap()];
+    let b = IpvsBackend::new(Variant::Legacy, s);
+    let d = Desired::default();
+    let linked: BTreeSet<Ipv4Addr> = [ip("10.96.0.1"), ip("10.96.9.9")].into();
+    let node = [ip("192.168.0.10")];
+    let v = |a: &str, port: u16| VirtualAddr {
+        protocol: crate::sys::ipvs::Protocol::Tcp,
+        addr: IpAddr::V4(ip(a)),
+        port,
+    };
+    assert!(b.owns(&v("10.96.0.1", 80), &d, &linked, &node));
+    assert!(!b.owns(&v("10.96.9.9", 80), &d, &linked, &node), "excluded CIDR");
+    assert!(
+        !b.owns(&v("192.0.2.7", 80), &d, &linked, &node),
+        "foreign address"
+    );
+    assert!(
+        b.owns(&v("192.168.0.10", 30001), &d, &linked, &node),
+        "node port on a node address"
+    );
+    assert!(
+        !b.owns(&v("192.168.0.10", 8080), &d, &linked, &node),
+        "other port on a node address"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The VM scenario (also used on the host for the golden listing)
+
+/// The director's address facing the client namespace (the "node IP").
+const VM_NODE_IP: &str = "10.0.1.1";
+/// Real servers: (namespace, address).
+const VM_REALS: [(&str, &str); 3] = [
+    ("rs1", "10.244.1.11"),
+    ("rs2", "10.244.2.12"),
+    ("rs3", "10.244.3.13"),
+];
+const TCP_PORT: u16 = 8080;
+const UDP_PORT: u16 = 8053;
+
+fn vm_settings(scheduler: &str) -> Settings {
+    let mut s = Settings {
+        node: NodeInfo {
+            name: "vm".into(),
+            addresses: vec![ip(VM_NODE_IP)],
+            zone: None,
+        },
+        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        node_port_addresses: Some(vec![ip(VM_NODE_IP)]),
+        ..Settings::default()
+    };
+    s.ipvs.scheduler = scheduler.into();
+    s
+}
+
+fn vm_eps(n: usize, port: u16) -> Vec<Endpoint> {
+    VM_REALS
+        .iter()
+        .take(n)
+        .map(|(_, a)| ep(a, port, "other"))
+        .collect()
+}
+
+fn vm_scenario() -> Snapshot {
+    let mut s = Snapshot::default();
+    add(
+        &mut s,
+        port("web", Protocol::Tcp, "10.96.0.10", 80),
+        vm_eps(2, TCP_PORT),
+    );
+    add(
+        &mut s,
+        port("dns", Protocol::Udp, "10.96.0.53", 53),
+        vm_eps(2, UDP_PORT),
+    );
+    add(
+        &mut s,
+        ServicePort {
+            node_port: Some(30080),
+            ..port("np", Protocol::Tcp, "10.96.0.30", 80)
+        },
+        vm_eps(3, TCP_PORT),
+    );
+    add(
+        &mut s,
+        ServicePort {
+            affinity_timeout_seconds: Some(60),
+            ..port("sticky", Protocol::Tcp, "10.96.0.40", 80)
+        },
+        vm_eps(3, TCP_PORT),
+    );
+    add(&mut s, port("empty", Protocol::Tcp, "10.96.0.50", 80), vec![]);
+    add(&mut s, port("empty-udp", Protocol::Udp, "10.96.0.51", 53), vec![]);
+    s
+}
+
+/// Tests that need the IPVS kernel, run inside the VM by `scripts/ipvs-vm.sh` (which sets
+/// `SWITCHYARD_IPVS_VM=1` and passes `--ignored --test-threads=1`). The VM's root namespace is the
+/// director (the node); `client` and `rs1..rs3` are namespaces joined to it by veth pairs.
+mod vm {
+    use std::fs::File;
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+    use std::os::fd::AsFd;
+    use std::process::Command;
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    use nix::sched::{CloneFlags, setns};
+
+    use super::*;
+    use crate::backend::Backend;
+
+    const IGNORE: &str = "needs the IPVS kernel: scripts/ipvs-vm.sh";
+    const TIMEOUT: Duration = Duration::from_secs(3);
+
+    fn run(args: &[&str]) -> (bool, String) {
+        let out = Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    }
+
+    fn sh(args: &[&str]) -> String {
+        let (ok, text) = run(args);
+        assert!(ok, "{args:?}: {text}");
+        text
+    }
+
+    fn ipcmd(line: &str) {
+        let args: Vec<&str> = std::iter::once("ip").chain(line.split_whitespace()).collect();
+        sh(&args);
+    }
+
+    fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let file = File::open(format!("/run/netns/{ns}")).unwrap();
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+                f()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
+    /// Builds the namespaces and starts the real servers once per process.
+    fn topology() {
+        static DONE: OnceLock<()> = OnceLock::new();
+        DONE.get_or_init(|| {
+            assert!(
+                std::env::var_os("SWITCHYARD_IPVS_VM").is_some(),
+                "VM-only test: run scripts/ipvs-vm.sh"
+            );
+            ipcmd("link set lo up");
+            ipcmd("netns add client");
+            ipcmd("link add d-client type veth peer name eth0 netns client");
+            ipcmd("addr add 10.0.1.1/24 dev d-client");
+            ipcmd("link set d-client up");
+            for i in 2..=9 {
+                ipcmd(&format!("-n client addr add 10.0.1.{i}/24 dev eth0"));
+            }
+            ipcmd("-n client link set eth0 up");
+            ipcmd("-n client link set lo up");
+            ipcmd("-n client route add default via 10.0.1.1");
+            for (i, (ns, addr)) in VM_REALS.iter().enumerate() {
+                let net = i + 1;
+                ipcmd(&format!("netns add {ns}"));
+                ipcmd(&format!("link add d-{ns} type veth peer name eth0 netns {ns}"));
+                ipcmd(&format!("addr add 10.244.{net}.1/24 dev d-{ns}"));
+                ipcmd(&format!("link set d-{ns} up"));
+                ipcmd(&format!("-n {ns} addr add {addr}/24 dev eth0"));
+                ipcmd(&format!("-n {ns} link set eth0 up"));
+                ipcmd(&format!("-n {ns} link set lo up"));
+                ipcmd(&format!("-n {ns} route add default via 10.244.{net}.1"));
+                start_servers(ns);
+            }
+        });
+    }
+
+    /// A TCP server answering every line with the namespace's name, and a UDP one answering
+    /// every datagram the same way.
+    fn start_servers(ns: &'static str) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = format!("/run/netns/{ns}");
+        std::thread::spawn(move || {
+            let file = File::open(&path).unwrap();
+            setns(file.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+            let tcp = TcpListener::bind(("0.0.0.0", TCP_PORT)).unwrap();
+            let udp = UdpSocket::bind(("0.0.0.0", UDP_PORT)).unwrap();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 512];
+                while let Ok((_, peer)) = udp.recv_from(&mut buf) {
+                    let _ = udp.send_to(ns.as_bytes(), peer);
+                }
+            });
+            tx.send(()).unwrap();
+            for conn in tcp.incoming().flatten() {
+                std::thread::spawn(move || {
+                    let mut writer = conn.try_clone().unwrap();
+                    for line in BufReader::new(conn).lines() {
+                        if line.is_err() || writer.write_all(format!("{ns}\n").as_bytes()).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    }
+
+    fn sock(dst: &str, port: u16) -> SocketAddr {
+        SocketAddr::new(dst.parse().unwrap(), port)
+    }
+
+    /// Opens a TCP connection from the client namespace.
+    fn connect(dst: &str, port: u16) -> std::io::Result<TcpStream> {
+        let to = sock(dst, port);
+        in_netns("client", move || {
+            let stream = TcpStream::connect_timeout(&to, TIMEOUT)?;
+            stream.set_read_timeout(Some(TIMEOUT))?;
+            Ok(stream)
+        })
+    }
+
+    /// Asks an open connection who answers.
+    fn who(stream: &mut TcpStream) -> std::io::Result<String> {
+        stream.write_all(b"who\n")?;
+        let mut line = String::new();
+        BufReader::new(stream.try_clone()?).read_line(&mut line)?;
+        if line.is_empty() {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed"));
+        }
+        Ok(line.trim().to_owned())
+    }
+
+    fn tcp_ask(dst: &str, port: u16) -> std::io::Result<String> {
+        who(&mut connect(dst, port)?)
+    }
+
+    fn udp_ask(dst: &str, port: u16) -> std::io::Result<String> {
+        udp_ask_from(Ipv4Addr::UNSPECIFIED, dst, port)
+    }
+
+    /// One datagram from a fresh socket (a new IPVS connection) bound to source address `src`.
+    fn udp_ask_from(src: Ipv4Addr, dst: &str, port: u16) -> std::io::Result<String> {
+        let to = sock(dst, port);
+        in_netns("client", move || {
+            let s = UdpSocket::bind(SocketAddrV4::new(src, 0))?;
+            s.connect(to)?;
+            s.set_read_timeout(Some(TIMEOUT))?;
+            s.send(b"who")?;
+            let mut buf = [0u8; 64];
+            let n = s.recv(&mut buf)?;
+            Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+        })
+    }
+
+    fn asks(n: usize, f: impl Fn() -> std::io::Result<String>) -> Vec<String> {
+        (0..n).map(|_| f().unwrap()).collect()
+    }
+
+    /// rr: the answers cycle through `n` distinct real servers, exactly.
+    fn assert_round_robin(answers: &[String], n: usize) {
+        let first: BTreeSet<&String> = answers.iter().take(n).collect();
+        assert_eq!(first.len(), n, "first {n} answers distinct: {answers:?}");
+        for i in n..answers.len() {
+            assert_eq!(answers[i], answers[i - n], "exact alternation: {answers:?}");
+        }
+    }
+
+    fn fresh(scheduler: &str) -> IpvsBackend {
+        topology();
+        let mut b = IpvsBackend::new(Variant::Legacy, vm_settings(scheduler));
+        b.cleanup().unwrap();
+        b
+    }
+
+    fn sync(b: &mut IpvsBackend, snap: &Snapshot, full: bool) -> SyncStats {
+        b.sync(snap, &Changes::default(), full)
+            .unwrap_or_else(|e| panic!("sync: {e}"))
+    }
+
+    fn listing() -> String {
+        sh(&["ipvsadm", "-Ln"])
+    }
+
+    /// The lines of one virtual server's block (`TCP  10.96.0.10:80`) in a raw listing.
+    fn block(listing: &str, service: &str) -> Vec<String> {
+        let mut lines = listing
+            .lines()
+            .skip_while(|l| !l.starts_with(&format!("{service} ")));
+        let head = lines.next().map(str::to_owned);
+        head.into_iter()
+            .chain(lines.take_while(|l| l.starts_with(' ')).map(str::to_owned))
+            .collect()
+    }
+
+    /// The `-> addr:port ...` line of real server `real` of virtual server `service`, blanks
+    /// collapsed.
+    fn real_line(listing: &str, service: &str, real: &str) -> Option<String> {
+        block(listing, service)
+            .into_iter()
+            .find(|l| l.contains(&format!("-> {real}:")))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+    }
+
+    fn real_addr(name: &str) -> &'static str {
+        VM_REALS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, a)| *a)
+            .unwrap()
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_a_probe_reports_ipvs_usable_with_schedulers() {
+        topology();
+        let caps = crate::probe::decide(&crate::probe::HostFacts::gather());
+        println!(
+            "VMTEST probe: kernel {} ipvs usable={} ({}) schedulers={:?} modes={:?}",
+            caps.kernel_version,
+            caps.ipvs.usable,
+            caps.ipvs.detail.clone().unwrap_or_default(),
+            caps.ipvs_schedulers,
+            caps.supported_modes
+        );
+        assert!(caps.ipvs.usable, "{caps:?}");
+        for s in ["rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh"] {
+            assert!(
+                caps.ipvs_schedulers.iter().any(|x| x == s),
+                "scheduler {s}: {:?}",
+                caps.ipvs_schedulers
+            );
+        }
+        assert!(
+            caps.supported_modes
+                .contains(&switchyard_crds::v1alpha1::ProxyMode::Ipvs)
+        );
+        let _ = IGNORE;
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_b_listing_matches_golden_and_cluster_ip_round_robins() {
+        let mut b = fresh("rr");
+        let snap = vm_scenario();
+        let stats = sync(&mut b, &snap, true);
+        println!("VMTEST sync: {stats:?}");
+        let listed = listing();
+        print!("{listed}");
+        assert_eq!(
+            normalize_ipvsadm(&listed, |_| true),
+            include_str!("testdata/vm.ipvsadm"),
+            "ipvsadm -Ln vs golden"
+        );
+        println!("VMTEST ipvsadm -Ln matches testdata/vm.ipvsadm");
+        let desired = render(&snap, &vm_settings("rr"), &[ip(VM_NODE_IP)]);
+        let bound: BTreeSet<Ipv4Addr> = crate::sys::link::addresses(render::LINK).unwrap();
+        assert_eq!(bound, desired.bind);
+        let cluster: BTreeSet<String> = crate::sys::ipset::entries(render::CLUSTER_IP)
+            .unwrap()
+            .into_iter()
+            .collect();
+        assert_eq!(cluster, desired.sets[render::CLUSTER_IP].entries);
+
+        let tcp = asks(6, || tcp_ask("10.96.0.10", 80));
+        println!("VMTEST ClusterIP TCP rr: {tcp:?}");
+        assert_round_robin(&tcp, 2);
+        let udp = asks(6, || udp_ask("10.96.0.53", 53));
+        println!("VMTEST ClusterIP UDP rr: {udp:?}");
+        assert_round_robin(&udp, 2);
+        // Masquerade: the real server saw the director, not the client (conntrack entry via IPVS).
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_c_node_port_reaches_real_servers() {
+        let mut b = fresh("rr");
+        sync(&mut b, &vm_scenario(), true);
+        let np = asks(6, || tcp_ask(VM_NODE_IP, 30080));
+        println!("VMTEST NodePort {VM_NODE_IP}:30080 rr over 3: {np:?}");
+        assert_round_robin(&np, 3);
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_d_session_affinity_pins_a_client() {
+        let mut b = fresh("rr");
+        sync(&mut b, &vm_scenario(), true);
+        let answers = asks(6, || tcp_ask("10.96.0.40", 80));
+        println!("VMTEST ClientIP affinity (persistent 60): {answers:?}");
+        assert!(answers.iter().all(|a| *a == answers[0]), "{answers:?}");
+        assert!(listing().contains("TCP  10.96.0.40:80 rr persistent 60"));
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_e_sh_keeps_each_source_on_one_real_server() {
+        let mut b = fresh("rr");
+        sync(&mut b, &vm_scenario(), true);
+        // A new backend with another scheduler edits the existing services (SET_SERVICE).
+        let mut b = IpvsBackend::new(Variant::Legacy, vm_settings("sh"));
+        sync(&mut b, &vm_scenario(), true);
+        assert!(listing().contains("TCP  10.96.0.30:80 sh"), "{}", listing());
+        let np = asks(3, || tcp_ask(VM_NODE_IP, 30080));
+        assert!(
+            np.iter().all(|a| *a == np[0]),
+            "one source, one real server: {np:?}"
+        );
+        // UDP: every datagram below comes from a fresh socket, so each one is a new IPVS
+        // connection scheduled by source address alone.
+        sync(&mut b, &sh_snapshot(), true);
+        let mut per_source = BTreeMap::new();
+        for i in 2..=9u8 {
+            let src = Ipv4Addr::new(10, 0, 1, i);
+            let answers = asks(4, || udp_ask_from(src, "10.96.0.60", 53));
+            assert!(
+                answers.iter().all(|a| *a == answers[0]),
+                "source {src}: {answers:?}"
+            );
+            per_source.insert(src, answers[0].clone());
+        }
+        println!("VMTEST sh: source -> real server {per_source:?}");
+        let distinct: BTreeSet<&String> = per_source.values().collect();
+        assert!(distinct.len() >= 2, "sh spreads sources: {per_source:?}");
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_f_no_endpoints_rejects() {
+        let mut b = fresh("rr");
+        sync(&mut b, &vm_scenario(), true);
+        let tcp = tcp_ask("10.96.0.50", 80).map_err(|e| e.kind());
+        let udp = udp_ask("10.96.0.51", 53).map_err(|e| e.kind());
+        println!("VMTEST no endpoints: TCP {tcp:?}, UDP {udp:?}");
+        assert_eq!(tcp, Err(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(udp, Err(std::io::ErrorKind::ConnectionRefused));
+        // A service address on a port that is no service is rejected too (SWY-IPVS-FILTER), even
+        // though the node listens on it; the node address itself still answers.
+        let listener = TcpListener::bind(("0.0.0.0", 9999)).unwrap();
+        let stray = tcp_ask("10.96.0.10", 9999).map_err(|e| e.kind());
+        let node = connect(VM_NODE_IP, 9999).map(|_| ()).map_err(|e| e.kind());
+        drop(listener);
+        println!("VMTEST service IP on a non-service port: {stray:?}; node IP: {node:?}");
+        assert_eq!(stray, Err(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(node, Ok(()));
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_g_endpoint_removal_drains_gracefully() {
+        let mut b = fresh("rr");
+        let mut snap = vm_scenario();
+        sync(&mut b, &snap, true);
+        let mut open = connect("10.96.0.10", 80).unwrap();
+        let victim = who(&mut open).unwrap();
+        let survivor = if victim == "rs1" { "rs2" } else { "rs1" };
+        let web = spn("web", "p", Protocol::Tcp);
+        snap.endpoints
+            .insert(web.clone(), vec![ep(real_addr(survivor), TCP_PORT, "other")]);
+        sync(&mut b, &snap, false);
+        let line = real_line(&listing(), "TCP  10.96.0.10:80", real_addr(&victim)).unwrap_or_default();
+        println!("VMTEST after removing {victim}: {line}");
+        assert!(
+            line.contains("Masq 0 1"),
+            "weight 0 with 1 active connection: {line}"
+        );
+        assert_eq!(b.terminating().len(), 1);
+        assert_eq!(who(&mut open).unwrap(), victim, "the open connection survives");
+        let fresh_answers = asks(4, || tcp_ask("10.96.0.10", 80));
+        println!("VMTEST open connection still answered by {victim}; new connections: {fresh_answers:?}");
+        assert!(fresh_answers.iter().all(|a| a == survivor), "{fresh_answers:?}");
+        drop(open);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            sync(&mut b, &snap, false);
+            if real_line(&listing(), "TCP  10.96.0.10:80", real_addr(&victim)).is_none() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{victim} never deleted: {}", listing());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert!(b.terminating().is_empty());
+        println!("VMTEST connection closed -> {victim} deleted");
+        // UDP real servers go at once.
+        let dns = spn("dns", "p", Protocol::Udp);
+        udp_ask("10.96.0.53", 53).unwrap();
+        snap.endpoints
+            .insert(dns, vec![ep(real_addr("rs2"), UDP_PORT, "other")]);
+        sync(&mut b, &snap, false);
+        let udp_block = block(&listing(), "UDP  10.96.0.53:53").join("\n");
+        println!("VMTEST UDP endpoint removed at once:\n{udp_block}");
+        assert!(
+            udp_block.contains(real_addr("rs2")) && !udp_block.contains(real_addr("rs1")),
+            "{udp_block}"
+        );
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_h_service_deletion_removes_virtual_service_address_and_set_entries() {
+        let mut b = fresh("rr");
+        let mut snap = vm_scenario();
+        sync(&mut b, &snap, true);
+        assert_eq!(
+            tcp_ask("10.96.0.10", 80).map(|a| a.starts_with("rs")).ok(),
+            Some(true)
+        );
+        let web = spn("web", "p", Protocol::Tcp);
+        snap.services.remove(&web);
+        snap.endpoints.remove(&web);
+        let stats = sync(&mut b, &snap, false);
+        let l = listing();
+        assert!(!l.contains("10.96.0.10:80"), "{l}");
+        assert!(
+            !crate::sys::link::addresses(render::LINK)
+                .unwrap()
+                .contains(&ip("10.96.0.10"))
+        );
+        let cluster = crate::sys::ipset::entries(render::CLUSTER_IP).unwrap();
+        assert!(
+            !cluster.iter().any(|e| e.starts_with("10.96.0.10,")),
+            "{cluster:?}"
+        );
+        let ips = crate::sys::ipset::entries(render::IPVS_IPS).unwrap();
+        assert!(!ips.iter().any(|e| e == "10.96.0.10"), "{ips:?}");
+        println!(
+            "VMTEST service deleted (partial sync {stats:?}): virtual service, swy-ipvs0 address and set entries gone; {} services left",
+            l.lines()
+                .filter(|x| !x.starts_with(' ') && x.contains(':'))
+                .count()
+                - 1
+        );
+        b.cleanup().unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_i_foreign_services_survive_and_cleanup_removes_everything_ours() {
+        let mut b = fresh("rr");
+        sh(&["ipvsadm", "-A", "-t", "192.0.2.10:80", "-s", "wlc"]);
+        sh(&[
+            "ipvsadm",
+            "-a",
+            "-t",
+            "192.0.2.10:80",
+            "-r",
+            "10.244.1.11:8080",
+            "-m",
+        ]);
+        sh(&["ipvsadm", "-A", "-u", "10.0.1.1:5353", "-s", "rr"]);
+        sync(&mut b, &vm_scenario(), true);
+        sync(&mut b, &Snapshot::default(), true);
+        let l = listing();
+        assert!(
+            l.contains("TCP  192.0.2.10:80 wlc") && l.contains("UDP  10.0.1.1:5353 rr"),
+            "{l}"
+        );
+        sync(&mut b, &vm_scenario(), true);
+        b.cleanup().unwrap();
+        let l = listing();
+        let services: Vec<&str> = l.lines().skip(3).filter(|x| !x.starts_with(' ')).collect();
+        assert_eq!(
+            services,
+            vec!["TCP  192.0.2.10:80 wlc", "UDP  10.0.1.1:5353 rr"],
+            "{l}"
+        );
+        assert!(!crate::sys::link::exists(render::LINK).unwrap());
+        assert!(crate::sys::ipset::list_names("SWY-").unwrap().is_empty());
+        for table in ["filter", "nat"] {
+            let save = sh(&["iptables-legacy-save", "-t", table]);
+            assert!(!save.contains("SWY-"), "{save}");
+        }
+        b.cleanup().unwrap();
+        println!(
+            "VMTEST cleanup: foreign services kept ({services:?}); no swy-ipvs0, SWY sets or SWY chains; idempotent"
+        );
+        sh(&["ipvsadm", "-D", "-t", "192.0.2.10:80"]);
+        sh(&["ipvsadm", "-D", "-u", "10.0.1.1:5353"]);
+    }
+
+    /// The VM scenario plus a UDP service on all three real servers.
+    fn sh_snapshot() -> Snapshot {
+        let mut s = vm_scenario();
+        add(
+            &mut s,
+            port("spread", Protocol::Udp, "10.96.0.60", 53),
+            vm_eps(3, UDP_PORT),
+        );
+        s
+    }
+
+    fn bench_snapshot(n: usize, shift: usize) -> Snapshot {
+        let mut s = Snapshot::default();
+        for i in 0..n {
+            let name = format!("svc{i}");
+            let cip = format!("10.100.{}.{}", i / 256, i % 256);
+            let eps = vec![
+                ep(&format!("10.244.1.{}", 10 + (i + shift) % 200), 8080, "other"),
+                ep(&format!("10.244.2.{}", 10 + i % 200), 8080, "other"),
+            ];
+            add(&mut s, port(&name, Protocol::Tcp, &cip, 80), eps);
+        }
+        s
+    }
+
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_z_bench_sync_1k_and_10k_services() {
+        let mut rows = Vec::new();
+        for n in [1_000usize, 10_000] {
+            let mut b = fresh("rr");
+            let snap = bench_snapshot(n, 0);
+            let t = Instant::now();
+            let first = sync(&mut b, &snap, true);
+            let initial = t.elapsed();
+            let t = Instant::now();
+            sync(&mut b, &snap, false);
+            let noop = t.elapsed();
+            // 1% of the services change one endpoint.
+            let mut changed = snap.clone();
+            for (k, eps) in changed.endpoints.iter_mut().take(n / 100) {
+                let _ = k;
+                eps[0].ip = Ipv4Addr::new(10, 244, 3, 1);
+            }
+            let t = Instant::now();
+            let partial = sync(&mut b, &changed, false);
+            let update = t.elapsed();
+            let t = Instant::now();
+            sync(&mut b, &changed, true);
+            let resync = t.elapsed();
+            let listed = listing().lines().filter(|l| l.starts_with("TCP ")).count();
+            assert_eq!(listed, n);
+            let t = Instant::now();
+            b.cleanup().unwrap();
+            let cleanup = t.elapsed();
+            rows.push((
+                n,
+                first.objects_written,
+                initial,
+                noop,
+                partial.objects_written,
+                update,
+                resync,
+                cleanup,
+            ));
+        }
+        println!("VMTEST bench (TCG guest, 1 vCPU; 2 real servers per service):");
+        println!(
+            "| services | initial sync | objects | no-op sync | 1% update | requests | full resync | cleanup |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        for (n, objects, initial, noop, requests, update, resync, cleanup) in rows {
+            println!(
+                "| {n} | {:.2} s | {objects} | {:.0} ms | {:.0} ms | {requests} | {:.2} s | {:.2} s |",
+                initial.as_secs_f64(),
+                noop.as_secs_f64() * 1e3,
+                update.as_secs_f64() * 1e3,
+                resync.as_secs_f64(),
+                cleanup.as_secs_f64()
+            );
+        }
+    }
+}

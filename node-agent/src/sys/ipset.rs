@@ -1,0 +1,188 @@
+//! ipsets through the `ipset` tool: bulk loads with one `ipset restore` per sync (kube-proxy's way
+//! of being fast; the `ipset` crate cannot add `hash:ip,port` entries, see crates.md §2.1), plus
+//! listing and destroying our `SWY-*` sets.
+//!
+//! A set is replaced atomically: its contents are loaded into a temporary set of the same type
+//! that is then swapped in (`swap`) and destroyed, so packets always see either the old or the
+//! new contents.
+
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+
+/// Prefix of every set the agent owns.
+pub const SET_PREFIX: &str = "SWY-";
+/// The kernel's limit on set names (`IPSET_MAXNAMELEN` - 1).
+pub const MAX_NAME: usize = 31;
+
+/// Errors of the ipset tool.
+#[derive(Debug, thiserror::Error)]
+pub enum IpsetError {
+    /// `ipset` could not be started.
+    #[error("ipset {args}: cannot run: {reason}")]
+    Spawn {
+        /// Arguments.
+        args: String,
+        /// Why.
+        reason: String,
+    },
+    /// `ipset` ran and failed.
+    #[error("ipset {args}: {stderr}")]
+    Failed {
+        /// Arguments.
+        args: String,
+        /// Its stderr (plus the offending input line for `restore`).
+        stderr: String,
+    },
+}
+
+/// The desired contents of one set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetSpec {
+    /// Name (`SWY-...`, at most 31 characters).
+    pub name: String,
+    /// Type and create options (`hash:ip,port`, `bitmap:port range 0-65535`).
+    pub kind: String,
+    /// Entries as `ipset add` spells them (`10.96.0.1,tcp:80`).
+    pub entries: std::collections::BTreeSet<String>,
+}
+
+/// The temporary set used to replace `name`.
+pub fn temp_name(name: &str) -> String {
+    let mut t = format!("SWY-T-{}", name.trim_start_matches(SET_PREFIX));
+    t.truncate(MAX_NAME);
+    t
+}
+
+/// `ipset restore` input that creates missing sets and replaces the contents of `sets`.
+pub fn restore_input(sets: &[&SetSpec]) -> String {
+    let mut out = String::new();
+    for set in sets {
+        let tmp = temp_name(&set.name);
+        out.push_str(&format!("create {} {} -exist\n", set.name, set.kind));
+        out.push_str(&format!("create {tmp} {} -exist\n", set.kind));
+        out.push_str(&format!("flush {tmp}\n"));
+        for entry in &set.entries {
+            out.push_str(&format!("add {tmp} {entry} -exist\n"));
+        }
+        out.push_str(&format!("swap {tmp} {}\n", set.name));
+        out.push_str(&format!("destroy {tmp}\n"));
+    }
+    out
+}
+
+fn run(args: &[&str], stdin: Option<&str>) -> Result<String, IpsetError> {
+    let joined = args.join(" ");
+    let spawn = |e: std::io::Error| IpsetError::Spawn {
+        args: joined.clone(),
+        reason: e.to_string(),
+    };
+    let mut child = Command::new("ipset")
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn)?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A failed write shows up in the exit status.
+        let _ = pipe.write_all(input.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(spawn)?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+    // "ipset v7.17: Error in line 3: ..." -> name the line.
+    if let (Some(input), Some(n)) = (stdin, line_number(&stderr))
+        && let Some(line) = input.lines().nth(n.saturating_sub(1))
+    {
+        stderr.push_str(&format!(" (input line: {line})"));
+    }
+    Err(IpsetError::Failed { args: joined, stderr })
+}
+
+fn line_number(stderr: &str) -> Option<usize> {
+    let i = stderr.find("line ")?;
+    stderr[i + 5..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .ok()
+}
+
+/// Loads `sets` with one `ipset restore`.
+pub fn restore(sets: &[&SetSpec]) -> Result<(), IpsetError> {
+    if sets.is_empty() {
+        return Ok(());
+    }
+    run(&["restore"], Some(&restore_input(sets))).map(|_| ())
+}
+
+/// Names of the sets starting with `prefix`.
+pub fn list_names(prefix: &str) -> Result<Vec<String>, IpsetError> {
+    Ok(run(&["list", "-n"], None)?
+        .lines()
+        .map(str::trim)
+        .filter(|n| n.starts_with(prefix))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Entries of set `name` (`add NAME ENTRY` lines of `ipset save`, without the prefix).
+pub fn entries(name: &str) -> Result<Vec<String>, IpsetError> {
+    let out = run(&["save", name], None)?;
+    let prefix = format!("add {name} ");
+    Ok(out
+        .lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Destroys the sets named; absent ones are fine. Sets still referenced by iptables rules fail.
+pub fn destroy(names: &[String]) -> Result<(), IpsetError> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let existing = list_names("")?;
+    let input: String = names
+        .iter()
+        .filter(|n| existing.contains(n))
+        .map(|n| format!("destroy {n}\n"))
+        .collect();
+    if input.is_empty() {
+        return Ok(());
+    }
+    run(&["restore"], Some(&input)).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipset_restore_input_swaps_through_a_temporary_set() {
+        let set = SetSpec {
+            name: "SWY-CLUSTER-IP".into(),
+            kind: "hash:ip,port family inet".into(),
+            entries: ["10.96.0.1,tcp:80".to_owned(), "10.96.0.2,udp:53".to_owned()].into(),
+        };
+        assert_eq!(
+            restore_input(&[&set]),
+            "create SWY-CLUSTER-IP hash:ip,port family inet -exist\n\
+             create SWY-T-CLUSTER-IP hash:ip,port family inet -exist\n\
+             flush SWY-T-CLUSTER-IP\n\
+             add SWY-T-CLUSTER-IP 10.96.0.1,tcp:80 -exist\n\
+             add SWY-T-CLUSTER-IP 10.96.0.2,udp:53 -exist\n\
+             swap SWY-T-CLUSTER-IP SWY-CLUSTER-IP\n\
+             destroy SWY-T-CLUSTER-IP\n"
+        );
+        assert!(temp_name("SWY-LOAD-BALANCER-SOURCE-CIDR-XYZ").len() <= MAX_NAME);
+        assert_eq!(line_number("ipset v7.17: Error in line 3: Syntax error"), Some(3));
+    }
+}

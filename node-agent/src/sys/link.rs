@@ -1,0 +1,153 @@
+//! The dummy link that carries the IPVS service addresses (`swy-ipvs0`) and the node's local
+//! addresses, through the `ip` tool. Address changes go through one `ip -batch -` process, so
+//! binding thousands of addresses costs one process, not thousands.
+
+use std::collections::BTreeSet;
+use std::io::Write as _;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+/// Errors of the `ip` tool.
+#[derive(Debug, thiserror::Error)]
+#[error("ip {args}: {detail}")]
+pub struct LinkError {
+    /// The arguments.
+    pub args: String,
+    /// What went wrong.
+    pub detail: String,
+}
+
+fn ip(args: &[&str], stdin: Option<&str>) -> Result<(bool, String, String), LinkError> {
+    let err = |detail: String| LinkError {
+        args: args.join(" "),
+        detail,
+    };
+    let mut child = Command::new("ip")
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| err(format!("cannot run: {e}")))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A failed write shows up in the exit status.
+        let _ = pipe.write_all(input.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+    ))
+}
+
+fn ip_ok(args: &[&str], stdin: Option<&str>) -> Result<String, LinkError> {
+    let (ok, stdout, stderr) = ip(args, stdin)?;
+    if ok {
+        Ok(stdout)
+    } else {
+        Err(LinkError {
+            args: args.join(" "),
+            detail: stderr,
+        })
+    }
+}
+
+/// Whether link `name` exists.
+pub fn exists(name: &str) -> Result<bool, LinkError> {
+    Ok(ip(&["link", "show", "dev", name], None)?.0)
+}
+
+/// Creates the dummy link `name` unless it exists, and sets it up (kube-proxy keeps `kube-ipvs0`
+/// down; a dummy link's addresses are local either way, but up makes `ip route get` agree).
+pub fn ensure_dummy(name: &str) -> Result<bool, LinkError> {
+    if exists(name)? {
+        return Ok(false);
+    }
+    ip_ok(&["link", "add", name, "type", "dummy"], None)?;
+    ip_ok(&["link", "set", "dev", name, "up"], None)?;
+    Ok(true)
+}
+
+/// Deletes link `name` if it exists.
+pub fn delete(name: &str) -> Result<bool, LinkError> {
+    if !exists(name)? {
+        return Ok(false);
+    }
+    ip_ok(&["link", "del", "dev", name], None)?;
+    Ok(true)
+}
+
+/// Parses `ip -o -4 addr show` output into `(device, address)` pairs.
+pub fn parse_addresses(text: &str) -> Vec<(String, Ipv4Addr)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let _index = words.next()?;
+            let dev = words.next()?.trim_end_matches(':').split('@').next()?.to_owned();
+            let mut rest = words.skip_while(|w| *w != "inet");
+            rest.next()?;
+            let addr = rest.next()?.split('/').next()?.parse().ok()?;
+            Some((dev, addr))
+        })
+        .collect()
+}
+
+/// IPv4 addresses on link `name` (empty when the link does not exist).
+pub fn addresses(name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError> {
+    let (ok, out, _) = ip(&["-o", "-4", "addr", "show", "dev", name], None)?;
+    Ok(if ok {
+        parse_addresses(&out).into_iter().map(|(_, a)| a).collect()
+    } else {
+        BTreeSet::new()
+    })
+}
+
+/// Every local IPv4 address with its device.
+pub fn all_addresses() -> Result<Vec<(String, Ipv4Addr)>, LinkError> {
+    Ok(parse_addresses(&ip_ok(&["-o", "-4", "addr", "show"], None)?))
+}
+
+/// Adds `add` and removes `remove` (as /32) on link `name` with one `ip -batch`.
+pub fn update_addresses(
+    name: &str,
+    add: &BTreeSet<Ipv4Addr>,
+    remove: &BTreeSet<Ipv4Addr>,
+) -> Result<(), LinkError> {
+    if add.is_empty() && remove.is_empty() {
+        return Ok(());
+    }
+    let mut input = String::with_capacity((add.len() + remove.len()) * 40);
+    for a in add {
+        input.push_str(&format!("addr replace {a}/32 dev {name}\n"));
+    }
+    for a in remove {
+        input.push_str(&format!("addr del {a}/32 dev {name}\n"));
+    }
+    ip_ok(&["-batch", "-"], Some(&input)).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipvs_link_parses_ip_addr_output() {
+        let text = "1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n\
+                    4: swy-ipvs0    inet 10.96.0.1/32 scope global swy-ipvs0\\       valid_lft forever\n\
+                    7: eth0@if8    inet 10.0.1.1/24 brd 10.0.1.255 scope global eth0\n\
+                    garbage\n";
+        assert_eq!(
+            parse_addresses(text),
+            vec![
+                ("lo".into(), Ipv4Addr::new(127, 0, 0, 1)),
+                ("swy-ipvs0".into(), Ipv4Addr::new(10, 96, 0, 1)),
+                ("eth0".into(), Ipv4Addr::new(10, 0, 1, 1)),
+            ]
+        );
+    }
+}
