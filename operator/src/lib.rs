@@ -1,4 +1,40 @@
-//! Switchyard operator. The wave planner and the ProxyPolicy controller land here (issue 5); this
-//! crate exists now so the workspace layout is final.
+//! Switchyard operator: turns ProxyPolicies into per-node desired state, wave by wave.
+//!
+//! # Protocol with the node agent
+//! The operator and the agents talk only through `NodeProxy` objects (one per node, named after it,
+//! owned by its Node):
+//! - **The operator writes spec** with server-side apply (field manager `switchyard-operator`,
+//!   forced) and never status: `desiredMode`, `proxy`, `healthGate`, `policy{name,uid,generation}`
+//!   and `rolloutToken`, plus the label `switchyard.dev/policy`. It creates the NodeProxy when missing
+//!   (owner reference: the Node). A node the rollout has not reached gets only `policy` (no
+//!   `desiredMode`: the agent keeps the mode it runs); incompatible nodes likewise.
+//! - **`rolloutToken`** is opaque to the agent and changes whenever the operator asks for a new switch
+//!   attempt: `<policy>-g<generation>-<mode>` for a switch, `<policy>-g<generation>-rollback-<mode>`
+//!   for a policy rollback. A released node keeps its token across generations while it is healthy or
+//!   switching; a node whose attempt failed gets a new token only with a new policy generation.
+//! - **The agent writes status**: `activeMode`, `phase` (Active/Preparing/CutOver/Verifying/Cleaning/
+//!   RollingBack/Failed), `lastSwitch{from,to,result: Succeeded|RolledBack|Failed,reason,rolloutToken}`,
+//!   the `Healthy` condition, and `capabilities.supportedModes`.
+//! - The operator reads a node as **updated** when `activeMode == desiredMode` and `phase == Active`;
+//!   **healthy** when also not `Healthy=False` (its last switch answered the token with `Succeeded`, or
+//!   no switch was needed); **failed** when `lastSwitch.rolloutToken == rolloutToken` and the result is
+//!   `RolledBack` or `Failed`; **switching** otherwise while desired ≠ active. Nodes without a status
+//!   (no agent report) and nodes not serving count against `maxUnavailable`.
+//! - **Approval** of a wave: annotation `approve.switchyard.dev/<wave>: "<generation>"` on the
+//!   ProxyPolicy, valid only for the current `metadata.generation`.
+//!
+//! # Layout
+//! - [`planner`]: the pure wave planner (all decisions, table-tested).
+//! - [`controller`]: watch caches, leader election (Lease, kube-lease-manager), the kube-runtime
+//!   Controller, `/healthz` and `/metrics`.
+//! - [`context`], [`metrics`], [`error`].
 
 pub use switchyard_crds as crds;
+
+pub mod context;
+pub mod controller;
+pub mod error;
+pub mod metrics;
+pub mod planner;
+
+pub use error::{Error, Result};

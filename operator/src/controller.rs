@@ -1,0 +1,509 @@
+//! The ProxyPolicy controller: watch caches, leader election, the reconcile loop and the
+//! `/healthz` + `/metrics` server.
+//!
+//! `reconcile(policy)` = read the caches → [`planner::plan`] over every policy (conflicts need all of
+//! them) → apply the policy's NodeProxy specs (server-side apply, forced, field manager
+//! `switchyard-operator`) → apply its status → publish the transition Events → requeue after the
+//! plan's timer. Any Node or NodeProxy change requeues every policy.
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::{Router, extract::State, http::StatusCode, routing::get};
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Node;
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::{Patch, PatchParams},
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::{self, Action},
+        events::{Event, EventType, Recorder, Reporter},
+        reflector, watcher,
+    },
+};
+use serde_json::json;
+use switchyard_crds::{
+    consts::{OPERATOR_FIELD_MANAGER, POLICY_LABEL},
+    v1alpha1::{NodeProxy, ProxyPolicy},
+};
+use tokio::sync::{broadcast, watch};
+
+use crate::{
+    Error, Result,
+    context::{Context, Health, OwnWrites, Stores},
+    metrics::{Metrics, PolicyNodesLabel, ReasonLabel},
+    planner::{self, NodeInput, NodeProxyInput, NodeWrite, PlanEvent, PolicyInput},
+};
+
+/// Settings of [`run`].
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Namespace of the leader-election Lease.
+    pub namespace: String,
+    /// Name of the Lease.
+    pub lease_name: String,
+    /// This replica's identity (Lease holder, Event reporter instance).
+    pub identity: String,
+    /// Lease duration.
+    pub lease_duration: Duration,
+    /// How long before expiry the leader renews.
+    pub lease_grace: Duration,
+    /// Address of `/healthz` and `/metrics`.
+    pub healthz_bind_address: SocketAddr,
+    /// `/healthz` fails when a leader has not reconciled successfully for this long.
+    pub stale_after: Duration,
+}
+
+/// Runs the operator until `shutdown` resolves: serves `/healthz` and `/metrics`, keeps the watch
+/// caches warm, and reconciles only while holding the Lease.
+pub async fn run(client: Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new(config.stale_after));
+    let (trigger, _) = broadcast::channel::<()>(64);
+    let stores = start_caches(&client, &trigger);
+    let server = serve(
+        config.healthz_bind_address,
+        health.clone(),
+        metrics.clone(),
+        stores.clone(),
+    )
+    .await?;
+
+    let lease = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &config.lease_name)
+        .with_namespace(&config.namespace)
+        .with_identity(&config.identity)
+        .with_duration(config.lease_duration.as_secs())
+        .with_grace(config.lease_grace.as_secs())
+        .build()
+        .await?;
+    let (mut leader, lease_task) = lease.watch().await;
+    tracing::info!(identity = %config.identity, lease = %config.lease_name, namespace = %config.namespace, "waiting for leadership");
+
+    tokio::pin!(shutdown);
+    let outcome = loop {
+        tokio::select! {
+            () = &mut shutdown => break Ok(()),
+            r = leader.wait_for(|l| *l) => if r.is_err() { break Err(Error::LeaseStopped) },
+        }
+        tracing::info!(identity = %config.identity, "became leader; reconciling");
+        health.set_leader(true);
+        metrics.leader.set(1);
+        let term = leader_term(
+            client.clone(),
+            &config,
+            stores.clone(),
+            &trigger,
+            metrics.clone(),
+            health.clone(),
+        );
+        let lost = lost_leadership(&mut leader);
+        tokio::select! {
+            () = &mut shutdown => {
+                health.set_leader(false);
+                break Ok(());
+            }
+            r = lost => {
+                tracing::warn!(identity = %config.identity, "lost leadership; stopped reconciling");
+                if r.is_err() {
+                    health.set_leader(false);
+                    break Err(Error::LeaseStopped);
+                }
+            }
+            r = term => {
+                tracing::error!(result = ?r, "the controller stopped while leader");
+                health.set_leader(false);
+                break r.and(Err(Error::NotReady("ProxyPolicy controller")));
+            }
+        }
+        health.set_running(false);
+        health.set_leader(false);
+        metrics.leader.set(0);
+    };
+    health.set_running(false);
+    // Closing the channel makes the lease task release the Lease, so a standby takes over at once.
+    drop(leader);
+    if tokio::time::timeout(Duration::from_secs(5), lease_task)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the Lease was not released in time");
+    }
+    server.abort();
+    outcome
+}
+
+async fn lost_leadership(leader: &mut watch::Receiver<bool>) -> Result<()> {
+    leader
+        .wait_for(|l| !*l)
+        .await
+        .map(|_| ())
+        .map_err(|_| Error::LeaseStopped)
+}
+
+/// Reflector tasks for Nodes (metadata only), NodeProxies and ProxyPolicies; every change sends a
+/// trigger that requeues all policies.
+fn start_caches(client: &Client, trigger: &broadcast::Sender<()>) -> Stores {
+    let (nodes, nodes_writer) = reflector::store::<kube::core::PartialObjectMeta<Node>>();
+    let (proxies, proxies_writer) = reflector::store::<NodeProxy>();
+    let (policies, policies_writer) = reflector::store::<ProxyPolicy>();
+    let cfg = watcher::Config::default;
+    let node_stream = watcher(
+        Api::<kube::core::PartialObjectMeta<Node>>::all(client.clone()),
+        cfg(),
+    )
+    .default_backoff()
+    .modify(|n| n.managed_fields_mut().clear())
+    .reflect(nodes_writer)
+    .touched_objects();
+    spawn_cache("Node", node_stream, trigger.clone());
+    let np_stream = watcher(Api::<NodeProxy>::all(client.clone()), cfg())
+        .default_backoff()
+        .modify(|n| n.managed_fields_mut().clear())
+        .reflect(proxies_writer)
+        .touched_objects();
+    spawn_cache("NodeProxy", np_stream, trigger.clone());
+    let pp_stream = watcher(Api::<ProxyPolicy>::all(client.clone()), cfg())
+        .default_backoff()
+        .modify(|n| n.managed_fields_mut().clear())
+        .reflect(policies_writer)
+        .touched_objects();
+    // Policies trigger themselves through the Controller; this cache only feeds the planner.
+    tokio::spawn(pp_stream.for_each(|r| async move {
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "ProxyPolicy watch");
+        }
+    }));
+    Stores {
+        nodes,
+        proxies,
+        policies,
+    }
+}
+
+fn spawn_cache<T, S>(kind: &'static str, stream: S, trigger: broadcast::Sender<()>)
+where
+    S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    T: Send,
+{
+    tokio::spawn(stream.for_each(move |r| {
+        match r {
+            Ok(_) => {
+                let _ = trigger.send(());
+            }
+            Err(e) => tracing::warn!(kind, error = %e, "watch"),
+        }
+        futures::future::ready(())
+    }));
+}
+
+async fn serve(
+    addr: SocketAddr,
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+    stores: Stores,
+) -> Result<tokio::task::JoinHandle<()>> {
+    #[derive(Clone)]
+    struct Http {
+        health: Arc<Health>,
+        metrics: Arc<Metrics>,
+        stores: Stores,
+    }
+    async fn healthz(State(s): State<Http>) -> (StatusCode, String) {
+        match s.health.check(s.stores.policies.len()) {
+            Ok(m) => (StatusCode::OK, format!("ok: {m}\n")),
+            Err(m) => (StatusCode::SERVICE_UNAVAILABLE, format!("unhealthy: {m}\n")),
+        }
+    }
+    async fn metrics_text(State(s): State<Http>) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+        (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            s.metrics.encode(),
+        )
+    }
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics_text))
+        .with_state(Http {
+            health,
+            metrics,
+            stores,
+        });
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Io {
+            context: format!("bind {addr}"),
+            source,
+        })?;
+    tracing::info!(%addr, "serving /healthz and /metrics");
+    Ok(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "http server stopped");
+        }
+    }))
+}
+
+/// One leadership term: the Controller runs until dropped (leadership lost or shutdown).
+async fn leader_term(
+    client: Client,
+    config: &Config,
+    stores: Stores,
+    trigger: &broadcast::Sender<()>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) -> Result<()> {
+    let ready = async {
+        stores
+            .nodes
+            .wait_until_ready()
+            .await
+            .map_err(|_| Error::NotReady("Node"))?;
+        stores
+            .proxies
+            .wait_until_ready()
+            .await
+            .map_err(|_| Error::NotReady("NodeProxy"))?;
+        stores
+            .policies
+            .wait_until_ready()
+            .await
+            .map_err(|_| Error::NotReady("ProxyPolicy"))
+    };
+    tokio::time::timeout(Duration::from_secs(120), ready)
+        .await
+        .map_err(|_| Error::NotReady("watch"))??;
+    let reporter = Reporter {
+        controller: OPERATOR_FIELD_MANAGER.into(),
+        instance: Some(config.identity.clone()),
+    };
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(client.clone(), reporter),
+        client: client.clone(),
+        stores,
+        metrics,
+        health: health.clone(),
+        own: Mutex::new(OwnWrites::default()),
+    });
+    let rx = trigger.subscribe();
+    let triggers = futures::stream::unfold(rx, |mut rx| async move {
+        match rx.recv().await {
+            Ok(()) | Err(broadcast::error::RecvError::Lagged(_)) => Some(((), rx)),
+            Err(broadcast::error::RecvError::Closed) => None,
+        }
+    });
+    health.set_running(true);
+    Controller::new(Api::<ProxyPolicy>::all(client), watcher::Config::default())
+        .reconcile_all_on(triggers)
+        .with_config(controller::Config::default().debounce(Duration::from_millis(200)))
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "reconcile");
+            }
+        })
+        .await;
+    health.set_running(false);
+    Ok(())
+}
+
+fn error_policy(policy: Arc<ProxyPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(policy = %policy.name_any(), error = %error, "reconcile failed");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&crate::metrics::ErrorLabel {
+            error: error.metric_label().into(),
+        })
+        .inc();
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// The planner's inputs from the caches, with this term's own writes laid over them.
+fn snapshot(ctx: &Context, current: &ProxyPolicy) -> (Vec<PolicyInput>, Vec<NodeInput>, Vec<NodeProxyInput>) {
+    let own = ctx.own.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut policies: Vec<PolicyInput> = ctx
+        .stores
+        .policies
+        .state()
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && p.metadata.uid != current.metadata.uid)
+        .map(|p| PolicyInput::from_policy(p))
+        .collect();
+    if current.metadata.deletion_timestamp.is_none() {
+        policies.push(PolicyInput::from_policy(current));
+    }
+    for input in policies.iter_mut() {
+        let object = if input.uid == current.uid().unwrap_or_default() {
+            Some(Arc::new(current.clone()))
+        } else {
+            ctx.stores
+                .policies
+                .state()
+                .into_iter()
+                .find(|p| p.uid().as_deref() == Some(input.uid.as_str()))
+        };
+        if let Some(status) = object.and_then(|o| own.status(&o)) {
+            input.status = Some(status);
+        }
+    }
+    let nodes: Vec<NodeInput> = ctx
+        .stores
+        .nodes
+        .state()
+        .iter()
+        .map(|n| NodeInput {
+            name: n.name_any(),
+            uid: n.uid().unwrap_or_default(),
+            labels: n.labels().clone(),
+        })
+        .collect();
+    let cached: Vec<Arc<NodeProxy>> = ctx.stores.proxies.state();
+    let mut proxies: Vec<NodeProxyInput> = cached
+        .iter()
+        .map(|np| {
+            let mut input = NodeProxyInput::from_node_proxy(np);
+            if let Some(spec) = own.spec(&input.name, Some(np)) {
+                input.spec = spec;
+            }
+            input
+        })
+        .collect();
+    for node in &nodes {
+        if !proxies.iter().any(|p| p.name == node.name)
+            && let Some(spec) = own.spec(&node.name, None)
+        {
+            proxies.push(NodeProxyInput {
+                name: node.name.clone(),
+                spec,
+                status: None,
+            });
+        }
+    }
+    (policies, nodes, proxies)
+}
+
+async fn reconcile(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action> {
+    let started = Instant::now();
+    ctx.metrics.reconciles.inc();
+    if !ctx.health.is_leader() {
+        return Ok(Action::await_change());
+    }
+    let name = policy.name_any();
+    let (policies, nodes, proxies) = snapshot(&ctx, &policy);
+    let plan_started = Instant::now();
+    let plan = planner::plan(&policies, &nodes, &proxies, jiff::Timestamp::now());
+    ctx.metrics
+        .plan_duration
+        .observe(plan_started.elapsed().as_secs_f64());
+    let Some(pp) = plan.policy(&name) else {
+        return Ok(Action::requeue(Duration::from_secs(60)));
+    };
+    for write in &pp.writes {
+        apply_node_proxy(&ctx, &name, write).await?;
+    }
+    let previous = policies
+        .iter()
+        .find(|p| p.name == name)
+        .and_then(|p| p.status.clone());
+    if previous.as_ref() != Some(&pp.status) {
+        let api: Api<ProxyPolicy> = Api::all(ctx.client.clone());
+        let body =
+            json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "ProxyPolicy", "status": pp.status});
+        let result = api
+            .patch_status(
+                &name,
+                &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .map_err(Error::kube(format!("apply status of ProxyPolicy {name}")))?;
+        ctx.own
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .status_written(&policy.uid().unwrap_or_default(), pp.status.clone(), &result);
+    }
+    for event in &pp.events {
+        publish(&ctx, &policy, event).await;
+    }
+    let s = &pp.status;
+    for (kind, value) in [
+        ("target", s.target_nodes),
+        ("updated", s.updated_nodes),
+        ("healthy", s.healthy_nodes),
+        ("failed", s.failed_nodes),
+        ("incompatible", s.incompatible_nodes),
+    ] {
+        ctx.metrics
+            .policy_nodes
+            .get_or_create(&PolicyNodesLabel {
+                policy: name.clone(),
+                kind: kind.into(),
+            })
+            .set(i64::from(value));
+    }
+    ctx.health.reconciled();
+    ctx.metrics
+        .reconcile_duration
+        .observe(started.elapsed().as_secs_f64());
+    tracing::debug!(policy = %name, phase = ?s.phase, wave = ?s.current_wave, writes = pp.writes.len(), "reconciled");
+    Ok(Action::requeue(pp.requeue_after))
+}
+
+async fn apply_node_proxy(ctx: &Context, policy: &str, write: &NodeWrite) -> Result<()> {
+    let api: Api<NodeProxy> = Api::all(ctx.client.clone());
+    let body = json!({
+        "apiVersion": "switchyard.dev/v1alpha1",
+        "kind": "NodeProxy",
+        "metadata": {
+            "name": write.node,
+            "labels": {POLICY_LABEL: policy},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": write.node, "uid": write.node_uid}],
+        },
+        "spec": write.spec,
+    });
+    let result = api
+        .patch(
+            &write.node,
+            &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(Error::kube(format!("apply NodeProxy {}", write.node)))?;
+    ctx.metrics.node_writes.inc();
+    tracing::info!(policy, node = %write.node, desired = ?write.spec.desired_mode, token = ?write.spec.rollout_token, "applied NodeProxy spec");
+    ctx.own
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .spec_written(&write.node, write.spec.clone(), &result);
+    Ok(())
+}
+
+async fn publish(ctx: &Context, policy: &ProxyPolicy, event: &PlanEvent) {
+    let ev = Event {
+        type_: if event.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: event.reason.as_str().into(),
+        note: Some(event.note.chars().take(1000).collect()),
+        action: event.action.chars().take(128).collect(),
+        secondary: None,
+    };
+    ctx.metrics
+        .events
+        .get_or_create(&ReasonLabel {
+            reason: event.reason.as_str().into(),
+        })
+        .inc();
+    tracing::info!(policy = %policy.name_any(), reason = event.reason.as_str(), note = %event.note, "event");
+    if let Err(e) = ctx.recorder.publish(&ev, &policy.object_ref(&())).await {
+        tracing::warn!(error = %e, reason = event.reason.as_str(), "could not publish event");
+    }
+}

@@ -1,0 +1,115 @@
+//! `switchyard-operator`: rolls ProxyPolicies out to NodeProxies, wave by wave, with Lease-based
+//! leader election (only the leader reconciles).
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
+
+use clap::Parser;
+use kube::{
+    Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use switchyard_operator::{Error, Result, controller};
+
+/// Switchyard operator: rolls ProxyPolicies out to NodeProxies wave by wave.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Kubeconfig to use; default: in-cluster service account, then $KUBECONFIG.
+    #[arg(long, env = "SWITCHYARD_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "switchyard-system")]
+    namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "switchyard-operator")]
+    lease_name: String,
+    /// Identity of this replica (Lease holder); default: POD_NAME, else hostname and PID.
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a Lease lasts without renewal (a killed leader is replaced after this).
+    #[arg(long, default_value_t = 15)]
+    lease_duration_seconds: u64,
+    /// Seconds before expiry at which the leader renews.
+    #[arg(long, default_value_t = 5)]
+    lease_grace_seconds: u64,
+    /// Address of /healthz and /metrics.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    healthz_bind_address: SocketAddr,
+    /// /healthz fails when the leader has not reconciled successfully for this many seconds.
+    #[arg(long, default_value_t = 300)]
+    healthz_stale_seconds: u64,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "switchyard-operator stopped");
+            eprintln!("switchyard-operator: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc =
+                Kubeconfig::read_from(path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?
+        }
+        None => Config::infer()
+            .await
+            .map_err(|e| Error::Config(format!("no kubeconfig: {e}")))?,
+    };
+    Client::try_from(config).map_err(Error::kube("build client"))
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
+}
+
+async fn run(args: Args) -> Result<()> {
+    if args.lease_grace_seconds >= args.lease_duration_seconds {
+        return Err(Error::Config(
+            "--lease-grace-seconds must be less than --lease-duration-seconds".into(),
+        ));
+    }
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "operator".into());
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    let client = client(args.kubeconfig.as_ref()).await?;
+    let config = controller::Config {
+        namespace: args.namespace,
+        lease_name: args.lease_name,
+        identity,
+        lease_duration: Duration::from_secs(args.lease_duration_seconds),
+        lease_grace: Duration::from_secs(args.lease_grace_seconds),
+        healthz_bind_address: args.healthz_bind_address,
+        stale_after: Duration::from_secs(args.healthz_stale_seconds),
+    };
+    controller::run(client, config, shutdown_signal()).await
+}

@@ -1,0 +1,110 @@
+//! Prometheus metrics of the operator (`switchyard_operator_*`), served on `/metrics`.
+
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+/// Label: error kind ([`crate::Error::metric_label`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabel {
+    /// Error kind.
+    pub error: String,
+}
+
+/// Label: event reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Event reason, e.g. `WaveStarted`.
+    pub reason: String,
+}
+
+/// Labels: policy and node count kind (few policies per cluster, so per-policy labels are fine).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyNodesLabel {
+    /// Policy name.
+    pub policy: String,
+    /// `target`, `updated`, `healthy`, `failed` or `incompatible`.
+    pub kind: String,
+}
+
+/// Every metric the operator exports.
+pub struct Metrics {
+    registry: Registry,
+    /// switchyard_operator_reconciles_total.
+    pub reconciles: Counter,
+    /// switchyard_operator_reconcile_errors_total{error}.
+    pub reconcile_errors: Family<ErrorLabel, Counter>,
+    /// switchyard_operator_reconcile_duration_seconds.
+    pub reconcile_duration: Histogram,
+    /// switchyard_operator_plan_duration_seconds: the pure planner alone.
+    pub plan_duration: Histogram,
+    /// switchyard_operator_nodeproxy_writes_total.
+    pub node_writes: Counter,
+    /// switchyard_operator_events_total{reason}.
+    pub events: Family<ReasonLabel, Counter>,
+    /// switchyard_operator_leader: 1 while this replica holds the Lease.
+    pub leader: Gauge,
+    /// switchyard_operator_policy_nodes{policy,kind}.
+    pub policy_nodes: Family<PolicyNodesLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let buckets = || prometheus_client::metrics::histogram::exponential_buckets(0.0005, 2.0, 16);
+        let mut registry = Registry::with_prefix("switchyard_operator");
+        let m = Self {
+            reconciles: Counter::default(),
+            reconcile_errors: Family::default(),
+            reconcile_duration: Histogram::new(buckets()),
+            plan_duration: Histogram::new(buckets()),
+            node_writes: Counter::default(),
+            events: Family::default(),
+            leader: Gauge::default(),
+            policy_nodes: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("reconciles", "Reconciles of ProxyPolicies", m.reconciles.clone());
+        registry.register(
+            "reconcile_errors",
+            "Failed reconciles by error kind",
+            m.reconcile_errors.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Duration of one reconcile",
+            m.reconcile_duration.clone(),
+        );
+        registry.register(
+            "plan_duration_seconds",
+            "Duration of the pure planner",
+            m.plan_duration.clone(),
+        );
+        registry.register(
+            "nodeproxy_writes",
+            "NodeProxy specs applied",
+            m.node_writes.clone(),
+        );
+        registry.register("events", "Events published by reason", m.events.clone());
+        registry.register("leader", "1 while this replica is the leader", m.leader.clone());
+        registry.register("policy_nodes", "Nodes per policy by kind", m.policy_nodes.clone());
+        Self { registry, ..m }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
