@@ -9,9 +9,11 @@
 
 pub mod model;
 pub mod backend;
+pub mod driver;
 pub mod health;
 pub mod metrics;
 pub mod runtime;
+pub mod switch;
 pub mod probe;
 pub mod report;
 pub mod sys;

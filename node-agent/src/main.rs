@@ -64,6 +64,9 @@ struct Args {
     /// Address of /metrics.
     #[arg(long, default_value = "0.0.0.0:10249")]
     metrics_bind_address: SocketAddr,
+    /// Directory for the persisted switch state.
+    #[arg(long, default_value = "/var/lib/switchyard")]
+    state_dir: PathBuf,
     /// Seconds between capability re-probes in --report-only mode.
     #[arg(long, default_value_t = 300)]
     report_interval_seconds: u64,
@@ -112,8 +115,8 @@ fn parse_mode(mode: &str) -> Result<ProxyMode> {
     match mode {
         "nftables" => Ok(ProxyMode::Nftables),
         "iptables" => Ok(ProxyMode::Iptables),
-        "ipvs" => Err(Error::Config("--mode ipvs: the IPVS backend is not available in this build".into())),
-        other => Err(Error::Config(format!("--mode {other}: expected nftables or iptables"))),
+        "ipvs" => Ok(ProxyMode::Ipvs),
+        other => Err(Error::Config(format!("--mode {other}: expected nftables, iptables or ipvs"))),
     }
 }
 
@@ -148,6 +151,7 @@ fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Ca
         min_sync_period: Duration::from_secs_f64(args.min_sync_period),
         sync_period: Duration::from_secs_f64(args.sync_period),
         capabilities: caps,
+        state_dir: args.state_dir.clone(),
     })
 }
 

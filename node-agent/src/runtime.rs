@@ -13,12 +13,19 @@ use kube::{
     Api, Client,
     runtime::{WatchStreamExt, watcher},
 };
-use switchyard_crds::v1alpha1::{Capabilities, NodeProxyStatus, ProxyMode, SwitchPhase, SyncStats as StatusSync};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use switchyard_crds::v1alpha1::{
+    Capabilities, HealthGate, NodeProxy, NodeProxyStatus, ProbeTarget, ProxyMode, ProxySettings, SwitchResult,
+    SyncStats as StatusSync,
+};
 use tokio::sync::Notify;
 
 use crate::{
     Error, Result,
-    backend::{self, Backend, Settings},
+    backend::{self, Settings},
+    driver::{Driver, StateFile},
+    model::ServiceName,
+    switch::Desired,
     health::{HealthCheckPorts, ProxyHealth, ServiceHealthServers},
     metrics::{ModeLabel, Metrics, TrafficPolicy},
     model::{NodeInfo, Snapshot, categorize, tracker::Tracker},
@@ -59,6 +66,8 @@ pub struct Config {
     pub sync_period: Duration,
     /// Capabilities, reported in status.
     pub capabilities: Capabilities,
+    /// Directory of the persisted switch state.
+    pub state_dir: std::path::PathBuf,
 }
 
 /// Derives the node facts and the backend settings from the Node object.
@@ -86,6 +95,7 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
         masquerade_all: config.masquerade_all,
         node_port_addresses,
         masquerade_mark: 0x4000,
+        ipvs: backend::ipvs::IpvsOptions::default(),
     }
 }
 
@@ -104,6 +114,8 @@ fn node_eligible(node: Option<&Node>) -> bool {
 struct Shared {
     tracker: Mutex<Tracker>,
     node: Mutex<Option<Node>>,
+    wish: Mutex<Wish>,
+    proxy_settings: Mutex<Option<ProxySettings>>,
     wake: Notify,
     health: Arc<ProxyHealth>,
     metrics: Arc<Metrics>,
@@ -239,16 +251,24 @@ pub async fn run(client: Client, config: Config, health: Arc<ProxyHealth>, metri
     let shared = Arc::new(Shared {
         tracker: Mutex::new(Tracker::new(config.proxy_name.clone())),
         node: Mutex::new(None),
+        wish: Mutex::new(Wish::default()),
+        proxy_settings: Mutex::new(None),
         wake: Notify::new(),
         health,
         metrics,
     });
     let intake = {
-        let (c1, c2, c3) = (client.clone(), client.clone(), client.clone());
-        let (s1, s2, s3) = (shared.clone(), shared.clone(), shared.clone());
-        let name = config.node_name.clone();
+        let (c1, c2, c3, c4) = (client.clone(), client.clone(), client.clone(), client.clone());
+        let (s1, s2, s3, s4) = (shared.clone(), shared.clone(), shared.clone(), shared.clone());
+        let (name, name2) = (config.node_name.clone(), config.node_name.clone());
         async move {
-            tokio::try_join!(watch_services(c1, s1), watch_slices(c2, s2), watch_node(c3, name, s3)).map(|_| ())
+            tokio::try_join!(
+                watch_services(c1, s1),
+                watch_slices(c2, s2),
+                watch_node(c3, name, s3),
+                watch_own_nodeproxy(c4, name2, s4)
+            )
+            .map(|_| ())
         }
     };
     tokio::select! {
@@ -257,19 +277,121 @@ pub async fn run(client: Client, config: Config, health: Arc<ProxyHealth>, metri
     }
 }
 
+/// The agent's own NodeProxy spec, as last seen.
+#[derive(Debug, Clone, Default)]
+struct Wish {
+    desired: Option<Desired>,
+    gate: HealthGate,
+    probes: Vec<ProbeTarget>,
+    generation: Option<i64>,
+}
+
+async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher(Api::<NodeProxy>::all(client), config).default_backoff().touched_objects().boxed();
+    while let Some(np) = stream.try_next().await.map_err(|e| Error::Config(format!("nodeproxy watch: {e}")))? {
+        let wish = Wish {
+            desired: np.spec.desired_mode.map(|mode| Desired { mode, token: np.spec.rollout_token.clone() }),
+            gate: np.spec.health_gate.clone().unwrap_or_default(),
+            probes: np.spec.health_gate.as_ref().map(|g| g.probes.clone()).unwrap_or_default(),
+            generation: np.metadata.generation,
+        };
+        *lock(&shared.wish) = wish;
+        *lock(&shared.proxy_settings) = np.spec.proxy.clone();
+        shared.wake.notify_one();
+    }
+    Ok(())
+}
+
+fn now_time() -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
+    k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// Resolves the gate's probe targets to Service names: `default/kubernetes` always, named ones,
+/// and label-selected ones (listed from the API).
+async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceName> {
+    let mut out = vec![ServiceName { namespace: "default".into(), name: "kubernetes".into() }];
+    for p in probes {
+        if let Some(name) = &p.name {
+            out.push(ServiceName { namespace: p.namespace.clone(), name: name.clone() });
+        } else if let Some(sel) = &p.selector {
+            let labels = sel
+                .match_labels
+                .iter()
+                .flatten()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            let api: Api<Service> = Api::namespaced(client.clone(), &p.namespace);
+            if let Ok(list) = api.list(&kube::api::ListParams::default().labels(&labels)).await {
+                out.extend(list.items.into_iter().filter_map(|s| {
+                    Some(ServiceName { namespace: p.namespace.clone(), name: s.metadata.name? })
+                }));
+            }
+        }
+    }
+    out
+}
+
+fn status(config: &Config, driver: &Driver, stats: Option<(&backend::SyncStats, Duration, &Snapshot)>, wish: &Wish) -> NodeProxyStatus {
+    let last = driver.last.as_ref();
+    let current = last.is_some_and(|l| l.token.is_some() && l.token == wish.desired.as_ref().and_then(|d| d.token.clone()));
+    let at_desired = wish.desired.as_ref().is_none_or(|d| d.mode == driver.state.active) && !driver.switching();
+    let healthy = at_desired && (last.is_none_or(|l| !current || l.result == "Succeeded"));
+    let condition = |ok: bool, reason: &str, message: String| Condition {
+        type_: "Healthy".into(),
+        status: if ok { "True".into() } else { "False".into() },
+        reason: reason.into(),
+        message,
+        last_transition_time: now_time(),
+        observed_generation: wish.generation,
+    };
+    let healthy_condition = match (healthy, last) {
+        (true, Some(l)) if current => condition(true, "GatePassed", format!("{} active; health gate passed", l.to)),
+        (true, _) => condition(true, "Active", format!("{} active", driver.state.active)),
+        (false, Some(l)) if current && l.result != "Succeeded" => condition(false, l.result, l.reason.clone()),
+        (false, _) => condition(false, "Switching", format!("switch phase {:?}", driver.phase())),
+    };
+    NodeProxyStatus {
+        observed_generation: wish.generation,
+        agent_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+        capabilities: Some(config.capabilities.clone()),
+        active_mode: Some(driver.state.active),
+        phase: Some(driver.phase()),
+        last_switch: last.map(|l| SwitchResult {
+            from: Some(l.from),
+            to: l.to,
+            result: l.result.into(),
+            reason: Some(l.reason.clone()),
+            rollout_token: l.token.clone(),
+            started_at: l.started.map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time),
+            finished_at: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(l.finished)),
+        }),
+        probes: driver.probes.clone(),
+        sync: stats.map(|(stats, took, snapshot)| StatusSync {
+            last_sync_time: Some(now_time()),
+            last_sync_millis: took.as_millis() as i64,
+            services: snapshot.services.len() as i64,
+            endpoints: snapshot.endpoints.values().map(Vec::len).sum::<usize>() as i64,
+            rules: stats.rules_total as i64,
+        }),
+        conditions: vec![healthy_condition],
+    }
+}
+
 async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Result<()> {
-    let mode_label = ModeLabel { mode: config.mode.to_string() };
-    let mut backend: Option<Box<dyn Backend>> = None;
-    let mut settings: Option<Settings> = None;
+    let mut driver: Option<Driver> = None;
     let mut need_full = true;
     let mut last_sync = Instant::now() - config.min_sync_period;
     let mut last_full = Instant::now();
     let mut last_report: Option<Instant> = None;
+    let mut last_stats: Option<(backend::SyncStats, Duration)>;
     let mut health_servers = ServiceHealthServers::new(shared.health.clone());
     loop {
+        let tick = if driver.as_ref().is_some_and(Driver::switching) { Duration::from_secs(1) } else { config.sync_period };
         tokio::select! {
             _ = shared.wake.notified() => {}
-            _ = tokio::time::sleep(config.sync_period) => { need_full = true; }
+            _ = tokio::time::sleep(tick) => { need_full |= tick == config.sync_period; }
         }
         let since = last_sync.elapsed();
         if since < config.min_sync_period {
@@ -279,11 +401,16 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         if !lock(&shared.tracker).synced() || node.is_none() {
             continue;
         }
-        let wanted = node_settings(&config, node.as_ref());
-        if settings.as_ref() != Some(&wanted) || backend.is_none() {
-            backend = Some(backend::new_backend(config.mode, wanted.clone(), &config.iptables_variant));
-            settings = Some(wanted.clone());
-            need_full = true;
+        let mut settings = node_settings(&config, node.as_ref());
+        let wish = lock(&shared.wish).clone();
+        if let Some(cidr) = wish_cluster_cidr(&shared) {
+            settings.cluster_cidr = Some(cidr);
+        }
+        let d = driver.get_or_insert_with(|| {
+            Driver::new(StateFile(config.state_dir.join("state.json")), config.mode, settings.clone(), config.iptables_variant.clone())
+        });
+        if !d.switching() && d.state.active != ProxyMode::Ipvs {
+            d.set_settings(settings.clone());
         }
         if last_full.elapsed() > Duration::from_secs(3600) {
             need_full = true;
@@ -294,17 +421,18 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         };
         shared.metrics.service_changes_pending.set(0);
         last_sync = Instant::now();
-        let Some(mut b) = backend.take() else { continue };
         let full = need_full;
+        let Some(mut owned) = driver.take() else { continue };
         let snap = snapshot.clone();
-        let (result, b) = tokio::task::spawn_blocking(move || {
+        let (result, owned) = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let r = b.sync(&snap, &changes, full);
-            (r.map(|s| (s, started.elapsed())), b)
+            let r = owned.sync(&snap, &changes, full);
+            (r.map(|s| (s, started.elapsed())), owned)
         })
         .await
         .map_err(|e| Error::Config(format!("sync task: {e}")))?;
-        backend = Some(b);
+        driver = Some(owned);
+        let mode_label = ModeLabel { mode: driver.as_ref().map(|d| d.state.active.to_string()).unwrap_or_default() };
         match result {
             Ok((stats, took)) => {
                 need_full = false;
@@ -319,39 +447,48 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
                 shared.metrics.programmed_services.get_or_create(&mode_label).set(stats.services as i64);
                 shared.metrics.objects_written.get_or_create(&mode_label).set(stats.objects_written as i64);
                 shared.health.updated();
-                tracing::info!(full = stats.full, services = stats.services, objects = stats.objects_written, millis = took.as_millis() as u64, "synced");
-                let s = settings.clone().unwrap_or_default();
-                health_servers.sync(health_check_ports(&snapshot, &s));
-                no_local_endpoints(&snapshot, &s, &shared.metrics);
-                if last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                    let status = NodeProxyStatus {
-                        agent_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
-                        capabilities: Some(config.capabilities.clone()),
-                        active_mode: Some(config.mode),
-                        phase: Some(SwitchPhase::Active),
-                        sync: Some(StatusSync {
-                            last_sync_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                                k8s_openapi::jiff::Timestamp::now(),
-                            )),
-                            last_sync_millis: took.as_millis() as i64,
-                            services: snapshot.services.len() as i64,
-                            endpoints: snapshot.endpoints.values().map(Vec::len).sum::<usize>() as i64,
-                            rules: stats.rules_total as i64,
-                        }),
-                        ..Default::default()
-                    };
-                    match report::apply_status(&client, &config.node_name, &status).await {
-                        Ok(()) => last_report = Some(Instant::now()),
-                        Err(e) => tracing::warn!(error = %e, "status report failed"),
-                    }
-                }
+                tracing::debug!(full = stats.full, services = stats.services, objects = stats.objects_written, millis = took.as_millis() as u64, "synced");
+                health_servers.sync(health_check_ports(&snapshot, &settings));
+                no_local_endpoints(&snapshot, &settings, &shared.metrics);
+                last_stats = Some((stats, took));
             }
             Err(e) => {
                 need_full = true;
                 shared.metrics.sync_failures.get_or_create(&mode_label).inc();
                 tracing::error!(error = %e, "sync failed; retrying with a full sync");
                 shared.wake.notify_one();
+                continue;
+            }
+        }
+        // The switch: one step per iteration (a quick follow-up when the step asks for it).
+        let targets = if driver.as_ref().is_some_and(Driver::switching) { probe_targets(&client, &wish.probes).await } else { Vec::new() };
+        let Some(mut owned) = driver.take() else { continue };
+        let (supported, desired, gate, snap) =
+            (config.capabilities.supported_modes.clone(), wish.desired.clone(), wish.gate.clone(), snapshot.clone());
+        let (again, owned) = tokio::task::spawn_blocking(move || {
+            let again = owned.step(desired.as_ref(), &supported, &gate, &snap, &targets);
+            (again, owned)
+        })
+        .await
+        .map_err(|e| Error::Config(format!("switch task: {e}")))?;
+        driver = Some(owned);
+        if again {
+            shared.wake.notify_one();
+        }
+        let Some(d) = driver.as_mut() else { continue };
+        if d.dirty || last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+            let stats = last_stats.as_ref().map(|(s, t)| (s, *t, &snapshot));
+            match report::apply_status(&client, &config.node_name, &status(&config, d, stats, &wish)).await {
+                Ok(()) => {
+                    last_report = Some(Instant::now());
+                    d.dirty = false;
+                }
+                Err(e) => tracing::warn!(error = %e, "status report failed"),
             }
         }
     }
+}
+
+fn wish_cluster_cidr(shared: &Shared) -> Option<crate::model::Ipv4Net> {
+    lock(&shared.proxy_settings).as_ref()?.cluster_cidr.as_deref()?.parse().ok()
 }

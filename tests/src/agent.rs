@@ -96,17 +96,26 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent for `node` inside its namespace with `token`.
     pub fn start(cp: &ControlPlane, node: &netns::Node, token: &str, extra_args: &[&str]) -> Result<Self> {
-        let server = format!("https://{}:{}", controlplane::ADVERTISE_ADDRESS, controlplane::ADVERTISE_PORT);
+        Self::start_with_env(cp, node, token, extra_args, &[])
+    }
+
+    /// Like [`Agent::start`], with extra environment variables (fault injection).
+    pub fn start_with_env(cp: &ControlPlane, node: &netns::Node, token: &str, extra_args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+        let server = format!("https://{}:{}", controlplane::ADVERTISE_ADDRESS, cp.port);
         let kubeconfig = cp.write_kubeconfig(&format!("agent-{}", node.name), &server, Credential::Token(token.into()))?;
         let log = cp.dir().join(format!("agent-{}.log", node.name));
-        let out = std::fs::File::create(&log).map_err(io_err("agent log"))?;
-        let err = out.try_clone().map_err(io_err("agent log"))?;
         let bin = binaries::workspace_bin("switchyard-agent")?;
+        // Appended, so a restarted agent's log follows the previous one's.
+        let err = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(io_err("agent log"))?;
+        let out = err.try_clone().map_err(io_err("agent log"))?;
         let child = Command::new("ip")
+            .envs(env.iter().copied())
             .args(["netns", "exec", &node.netns])
             .arg(&bin)
             .args(["--node-name", &node.name, "--kubeconfig"])
             .arg(&kubeconfig)
+            .arg("--state-dir")
+            .arg(cp.dir().join(format!("state-{}", node.name)))
             .args(extra_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -121,6 +130,14 @@ impl Agent {
     /// The agent's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Agent {
+    /// Kills the agent with SIGKILL (no chance to clean up), as a crash would.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -24,8 +24,6 @@ use crate::{Error, Result, binaries, io_err, pki::Pki, sweep};
 /// Address the `default/kubernetes` Service points at, reachable from node namespaces through the
 /// fabric (see [`crate::netns`]). The apiserver itself listens on 127.0.0.1 in the root namespace.
 pub const ADVERTISE_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 1);
-/// Port of the forwarded apiserver address inside the fabric.
-pub const ADVERTISE_PORT: u16 = 6443;
 /// Service CIDR of the test cluster.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
 

@@ -8,6 +8,7 @@ pub mod binaries;
 pub mod controlplane;
 pub mod netns;
 pub mod objects;
+pub mod operator;
 pub mod pki;
 pub mod sweep;
 pub mod traffic;

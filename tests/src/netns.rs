@@ -1,7 +1,7 @@
 //! Nodes that are network namespaces.
 //!
 //! ```text
-//!   fabric ns: bridge br0 10.250.0.1/24 ── forwards 10.250.0.1:6443 to the apiserver on the root
+//!   fabric ns: bridge br0 10.250.0.1/24 ── forwards 10.250.0.1:PORT to the apiserver on the root
 //!      │                                   namespace's 127.0.0.1 (a socket made in the fabric,
 //!      │                                   connected out from the root namespace)
 //!   node-i ns: eth0 10.250.0.(10+i)/24, default via 10.250.0.1, pod bridge cbr0 10.244.i.1/24,
@@ -148,7 +148,8 @@ impl Cluster {
 
     /// Listens on the fabric's apiserver address and forwards each connection to the apiserver.
     fn start_forwarder(&mut self, apiserver_port: u16) -> Result<()> {
-        let listener = listen_in_netns(&self.fabric, SocketAddrV4::new(controlplane::ADVERTISE_ADDRESS, controlplane::ADVERTISE_PORT))?;
+        // Same port as the apiserver's: the `default/kubernetes` EndpointSlice names it.
+        let listener = listen_in_netns(&self.fabric, SocketAddrV4::new(controlplane::ADVERTISE_ADDRESS, apiserver_port))?;
         listener.set_nonblocking(true).map_err(io_err("nonblocking listener"))?;
         let stop = self.stop.clone();
         self.forwarder = Some(std::thread::spawn(move || {

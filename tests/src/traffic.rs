@@ -84,8 +84,11 @@ pub fn probe(netns: &str, target: SocketAddr, udp: bool, count: u32, timeout_ms:
         .args(["--count", &count.to_string(), "--timeout-ms", &timeout_ms.to_string()])
         .output()
         .map_err(io_err("run swy-echo client"))?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
+    Ok(parse(&String::from_utf8_lossy(&out.stdout)))
+}
+
+fn parse(text: &str) -> Vec<Outcome> {
+    text.lines()
         .map(|l| {
             let mut parts = l.splitn(3, ' ');
             match (parts.next(), parts.next(), parts.next()) {
@@ -95,7 +98,7 @@ pub fn probe(netns: &str, target: SocketAddr, udp: bool, count: u32, timeout_ms:
                 _ => Outcome::Error(l.to_owned()),
             }
         })
-        .collect())
+        .collect()
 }
 
 /// Answers per server name.
@@ -106,4 +109,41 @@ pub fn tally(outcomes: &[Outcome]) -> BTreeMap<String, usize> {
         *m.entry(key).or_insert(0) += 1;
     }
     m
+}
+
+/// A steady client load running in the background.
+pub struct Load {
+    child: Option<Child>,
+}
+
+/// Starts `count` TCP attempts from `netns` to `target`, one every `interval_ms`.
+pub fn start_load(netns: &str, target: SocketAddr, count: u32, interval_ms: u64) -> Result<Load> {
+    let bin = binaries::workspace_bin("swy-echo")?;
+    let child = Command::new("ip")
+        .args(["netns", "exec", netns])
+        .arg(bin)
+        .args(["client", "--target", &target.to_string(), "--proto", "tcp"])
+        .args(["--count", &count.to_string(), "--timeout-ms", "1000", "--interval-ms", &interval_ms.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(io_err("start load"))?;
+    Ok(Load { child: Some(child) })
+}
+
+impl Load {
+    /// Waits for the load to finish and returns every outcome.
+    pub fn finish(mut self) -> Result<Vec<Outcome>> {
+        let child = self.child.take().ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
+        let out = child.wait_with_output().map_err(io_err("wait for load"))?;
+        Ok(parse(&String::from_utf8_lossy(&out.stdout)))
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            sweep::stop_child(&mut c, Duration::from_secs(1));
+        }
+    }
 }

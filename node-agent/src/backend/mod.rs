@@ -17,6 +17,7 @@
 pub mod names;
 pub mod nftables;
 pub mod iptables;
+pub mod ipvs;
 
 use crate::model::{Changes, NodeInfo, Snapshot};
 
@@ -33,6 +34,8 @@ pub struct Settings {
     pub node_port_addresses: Option<Vec<std::net::Ipv4Addr>>,
     /// The fwmark bit used to request masquerade.
     pub masquerade_mark: u32,
+    /// IPVS mode: scheduler, strictARP, excluded CIDRs.
+    pub ipvs: ipvs::IpvsOptions,
 }
 
 impl Default for Settings {
@@ -43,6 +46,7 @@ impl Default for Settings {
             masquerade_all: false,
             node_port_addresses: None,
             masquerade_mark: 0x4000,
+            ipvs: ipvs::IpvsOptions::default(),
         }
     }
 }
@@ -86,6 +90,14 @@ pub enum BackendError {
     /// Netlink transport.
     #[error(transparent)]
     Agent(#[from] crate::Error),
+    /// The backend cannot do this.
+    #[error("{backend}: {what} is not supported")]
+    Unsupported {
+        /// Backend name.
+        backend: &'static str,
+        /// What was asked.
+        what: &'static str,
+    },
 }
 
 /// A service-proxy data plane.
@@ -98,20 +110,29 @@ pub trait Backend: Send {
     fn cleanup(&mut self) -> Result<(), BackendError>;
     /// The rendered desired state as text (nft syntax, iptables-save syntax), for `--render`.
     fn render_text(&self, snapshot: &Snapshot) -> String;
+    /// Turns the backend's entry points off (`true`: its objects stay programmed but no packet
+    /// enters them) or on, in one atomic step. Survives later syncs. This is the switch's
+    /// cut-over primitive: un-bypass the new backend, then bypass the old one.
+    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
+        let _ = bypassed;
+        Err(BackendError::Unsupported { backend: "backend", what: "bypass" })
+    }
+    /// Reads the kernel back and describes every difference from what the last sync programmed
+    /// (empty: no drift).
+    fn verify(&self) -> Result<Vec<String>, BackendError> {
+        Ok(Vec::new())
+    }
 }
 
-/// Builds the backend for `mode`. IPVS is not available yet and falls back to iptables with a
-/// warning (the operator only asks for modes the node reports as supported).
+/// Builds the backend for `mode` (the operator only asks for modes the node reports as supported;
+/// IPVS mode uses the iptables `variant` for its few rules).
 pub fn new_backend(mode: switchyard_crds::v1alpha1::ProxyMode, settings: Settings, iptables_variant: &str) -> Box<dyn Backend> {
     use switchyard_crds::v1alpha1::ProxyMode;
     let variant = if iptables_variant == "nft" { crate::sys::iptables::Variant::Nft } else { crate::sys::iptables::Variant::Legacy };
     match mode {
         ProxyMode::Nftables => Box::new(nftables::NftablesBackend::new(settings)),
         ProxyMode::Iptables => Box::new(iptables::IptablesBackend::new(variant, settings)),
-        ProxyMode::Ipvs => {
-            tracing::warn!("the IPVS backend is not built yet; running iptables");
-            Box::new(iptables::IptablesBackend::new(variant, settings))
-        }
+        ProxyMode::Ipvs => Box::new(ipvs::IpvsBackend::new(variant, settings)),
     }
 }
 
@@ -119,6 +140,11 @@ pub fn new_backend(mode: switchyard_crds::v1alpha1::ProxyMode, settings: Setting
 pub fn cleanup_all() -> Vec<BackendError> {
     let mut errors = Vec::new();
     let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(nftables::NftablesBackend::new(Settings::default()))];
+    // IPVS first: its jump rules reference `SWY-IPVS-*` chains, which must be gone before the
+    // iptables backend deletes `SWY-*` chains.
+    for variant in [crate::sys::iptables::Variant::Legacy, crate::sys::iptables::Variant::Nft] {
+        backends.push(Box::new(ipvs::IpvsBackend::new(variant, Settings::default())));
+    }
     for variant in [crate::sys::iptables::Variant::Legacy, crate::sys::iptables::Variant::Nft] {
         backends.push(Box::new(iptables::IptablesBackend::new(variant, Settings::default())));
     }

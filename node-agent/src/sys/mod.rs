@@ -7,3 +7,6 @@ pub mod nft;
 pub mod genl;
 pub mod host;
 pub mod iptables;
+pub mod ipset;
+pub mod ipvs;
+pub mod link;

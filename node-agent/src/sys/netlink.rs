@@ -122,6 +122,10 @@ impl Transport {
         let mut socket = Socket::new(protocol).map_err(io)?;
         socket.bind_auto().map_err(io)?;
         socket.connect(&SocketAddr::new(0, 0)).map_err(io)?;
+        // Never wait forever on the kernel: a missing answer becomes an error.
+        let timeout = nix::sys::time::TimeVal::new(30, 0);
+        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)
+            .map_err(|e| Error::Netlink { op: "set receive timeout", source: std::io::Error::from(e) })?;
         Ok(Self { socket })
     }
 
@@ -176,11 +180,14 @@ impl Transport {
                 .map_err(|source| Error::Netlink { op: "receive", source })?;
             for reply in parse_replies(&data) {
                 let done = reply.kind == NLMSG_DONE;
+                // A refusal of a message we do not await (e.g. a batch header the kernel does not
+                // understand) means the rest will never be answered.
+                let refused_unawaited = reply.error.is_some_and(|e| e != 0) && !pending.contains(&reply.seq);
                 if reply.error.is_some() || done {
                     pending.retain(|s| *s != reply.seq);
                 }
                 replies.push(reply);
-                if done {
+                if done || refused_unawaited {
                     pending.clear();
                 }
             }

@@ -130,6 +130,8 @@ pub struct IptablesBackend {
     nat_chains: BTreeSet<String>,
     /// Set after a failure: the next sync is full whatever the caller asks.
     needs_full: bool,
+    /// Entry points off: no jump rules from built-in chains into ours.
+    bypassed: bool,
 }
 
 impl IptablesBackend {
@@ -148,6 +150,7 @@ impl IptablesBackend {
             filter_chains: BTreeSet::new(),
             nat_chains: BTreeSet::new(),
             needs_full: true,
+            bypassed: false,
         }
     }
 
@@ -172,6 +175,27 @@ impl IptablesBackend {
         Ok(own_chains(&self.ipt.save(table)?))
     }
 
+    /// Restore lines that bring the jump rules in line with the bypass state: `-I CHAIN 1 ...` for
+    /// missing ones (in reverse, so JUMP_RULES' order ends up at the top of each chain), or `-D ...`
+    /// for present ones when bypassed. Returns (filter lines, nat lines).
+    fn jump_edits(&self, filter_save: &str, nat_save: &str) -> (Vec<String>, Vec<String>) {
+        let (mut filter, mut nat) = (Vec::new(), Vec::new());
+        for rule in JUMP_RULES.iter().rev() {
+            let save = if rule.table == Table::Filter { filter_save } else { nat_save };
+            let present = save.lines().any(|l| l == rule.save_line());
+            let prefix = format!("-A {} ", rule.chain);
+            let line = match (self.bypassed, present) {
+                (true, true) => Some(rule.save_line().replacen(&prefix, &format!("-D {} ", rule.chain), 1)),
+                (false, false) => Some(rule.save_line().replacen(&prefix, &format!("-I {} 1 ", rule.chain), 1)),
+                _ => None,
+            };
+            if let Some(line) = line {
+                if rule.table == Table::Filter { filter.push(line) } else { nat.push(line) }
+            }
+        }
+        (filter, nat)
+    }
+
     fn sync_inner(
         &mut self,
         snapshot: &Snapshot,
@@ -180,19 +204,13 @@ impl IptablesBackend {
     ) -> Result<SyncStats, BackendError> {
         // One iptables-save per table on full syncs: our chains, and which jump rules exist. Running
         // `iptables -C` per jump rule would cost a whole-table fetch each on large tables.
-        let (existing_filter, existing_nat, missing_jumps) = if full {
+        let (existing_filter, existing_nat, jumps) = if full {
             let filter_save = self.ipt.save(Table::Filter)?;
             let nat_save = self.ipt.save(Table::Nat)?;
-            let missing: Vec<&JumpRule> = JUMP_RULES
-                .iter()
-                .filter(|r| {
-                    let save = if r.table == Table::Filter { &filter_save } else { &nat_save };
-                    !save.lines().any(|l| l == r.save_line())
-                })
-                .collect();
-            (own_chains(&filter_save), own_chains(&nat_save), missing)
+            let jumps = self.jump_edits(&filter_save, &nat_save);
+            (own_chains(&filter_save), own_chains(&nat_save), jumps)
         } else {
-            (self.filter_chains.clone(), self.nat_chains.clone(), Vec::new())
+            (self.filter_chains.clone(), self.nat_chains.clone(), (Vec::new(), Vec::new()))
         };
         let mut rendered = render::render(snapshot, &self.settings, if full { None } else { Some(changes) });
         let mut full = full;
@@ -212,20 +230,7 @@ impl IptablesBackend {
             .cloned()
             .collect();
         let stale_nat: BTreeSet<String> = existing_nat.difference(&rendered.nat_chains).cloned().collect();
-        // Inserting at position 1 in reverse keeps JUMP_RULES' order at the top of each chain.
-        let insert = |table: Table| -> Vec<String> {
-            missing_jumps
-                .iter()
-                .rev()
-                .filter(|r| r.table == table)
-                .map(|r| r.save_line().replacen(&format!("-A {} ", r.chain), &format!("-I {} 1 ", r.chain), 1))
-                .collect()
-        };
-        let input = if full {
-            rendered.restore_input_with_jumps(&stale_filter, &stale_nat, &insert(Table::Filter), &insert(Table::Nat))
-        } else {
-            rendered.restore_input(&stale_filter, &stale_nat)
-        };
+        let input = rendered.restore_input_with_jumps(&stale_filter, &stale_nat, &jumps.0, &jumps.1);
         self.ipt.restore(&input).map_err(|e| match e {
             IptablesError::Failed { stderr, .. } => BackendError::Kernel {
                 backend: BACKEND,
@@ -233,7 +238,7 @@ impl IptablesBackend {
             },
             other => other.into(),
         })?;
-        let objects = rendered.objects() + stale_filter.len() + stale_nat.len() + missing_jumps.len();
+        let objects = rendered.objects() + stale_filter.len() + stale_nat.len() + jumps.0.len() + jumps.1.len();
         self.filter_chains = rendered.filter_chains.clone();
         self.nat_chains = rendered.nat_chains.clone();
         Ok(SyncStats {
@@ -246,12 +251,13 @@ impl IptablesBackend {
     }
 }
 
-/// The `SWY-*` chains declared in `iptables-save` output.
+/// The `SWY-*` chains declared in `iptables-save` output, except the IPVS backend's
+/// `SWY-IPVS-*` (each backend owns only its own objects).
 pub fn own_chains(save: &str) -> BTreeSet<String> {
     save.lines()
         .filter_map(|l| l.strip_prefix(':'))
         .filter_map(|l| l.split_whitespace().next())
-        .filter(|c| c.starts_with(CHAIN_PREFIX))
+        .filter(|c| c.starts_with(CHAIN_PREFIX) && !c.starts_with("SWY-IPVS-"))
         .map(str::to_owned)
         .collect()
 }
@@ -300,5 +306,32 @@ impl Backend for IptablesBackend {
 
     fn render_text(&self, snapshot: &Snapshot) -> String {
         render::render(snapshot, &self.settings, None).text()
+    }
+
+    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
+        self.bypassed = bypassed;
+        if self.nat_chains.is_empty() && self.filter_chains.is_empty() {
+            return Ok(()); // nothing programmed yet: the next full sync honours the flag
+        }
+        let (filter, nat) = self.jump_edits(&self.ipt.save(Table::Filter)?, &self.ipt.save(Table::Nat)?);
+        if filter.is_empty() && nat.is_empty() {
+            return Ok(());
+        }
+        // No chain declarations: with --noflush nothing but these lines changes.
+        let input = format!("*filter\n{}COMMIT\n*nat\n{}COMMIT\n",
+            filter.iter().map(|l| format!("{l}\n")).collect::<String>(),
+            nat.iter().map(|l| format!("{l}\n")).collect::<String>());
+        self.ipt.restore(&input)?;
+        Ok(())
+    }
+
+    fn verify(&self) -> Result<Vec<String>, BackendError> {
+        let mut drift = Vec::new();
+        for (table, ours) in [(Table::Filter, &self.filter_chains), (Table::Nat, &self.nat_chains)] {
+            let kernel = self.kernel_chains(table)?;
+            drift.extend(ours.difference(&kernel).map(|c| format!("chain {c} is missing")));
+            drift.extend(kernel.difference(ours).map(|c| format!("chain {c} is not ours to keep")));
+        }
+        Ok(drift)
     }
 }

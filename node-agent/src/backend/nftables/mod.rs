@@ -34,6 +34,10 @@ pub struct NftablesBackend {
     /// Chains and sets deleted at the start of the next sync.
     stale_chains: BTreeSet<String>,
     stale_sets: BTreeSet<String>,
+    /// Entry points off: every base chain starts with `return`.
+    bypassed: bool,
+    /// Whether a full sync has programmed the table.
+    programmed: bool,
 }
 
 fn kernel(detail: String) -> BackendError {
@@ -49,7 +53,20 @@ impl NftablesBackend {
             elements: HashMap::new(),
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
+            bypassed: false,
+            programmed: false,
         }
+    }
+
+    /// The fixed part of the ruleset, with the bypass applied to base chains.
+    fn base(&self) -> ir::Ruleset {
+        let mut base = render::base(&self.settings);
+        if self.bypassed {
+            for chain in base.chains.iter_mut().filter(|c| c.base.is_some()) {
+                chain.rules.insert(0, ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment("bypassed by switchyard"));
+            }
+        }
+        base
     }
 
     fn render_fragments(&self, snapshot: &Snapshot, only: Option<&ServiceName>) -> BTreeMap<ServicePortName, Fragment> {
@@ -89,7 +106,7 @@ impl NftablesBackend {
     }
 
     fn full_sync(&mut self, snapshot: &Snapshot) -> Result<SyncStats, BackendError> {
-        let base = render::base(&self.settings);
+        let base = self.base();
         let fragments = self.render_fragments(snapshot, None);
         let existing_chains: BTreeSet<String> = sys::nft::list(Msg::GetChain)?.into_iter().collect();
         let existing_sets: BTreeSet<String> = sys::nft::list(Msg::GetSet)?.into_iter().collect();
@@ -157,6 +174,7 @@ impl NftablesBackend {
         };
         self.fragments = fragments;
         self.elements = elements;
+        self.programmed = true;
         self.delete_stale()?;
         Ok(stats)
     }
@@ -281,6 +299,7 @@ impl Backend for NftablesBackend {
     fn cleanup(&mut self) -> Result<(), BackendError> {
         self.fragments.clear();
         self.elements.clear();
+        self.programmed = false;
         if !sys::nft::table_exists()? {
             return Ok(());
         }
@@ -291,6 +310,43 @@ impl Backend for NftablesBackend {
 
     fn render_text(&self, snapshot: &Snapshot) -> String {
         render::full(snapshot, &self.settings).text()
+    }
+
+    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
+        if self.bypassed == bypassed {
+            return Ok(());
+        }
+        self.bypassed = bypassed;
+        if !self.programmed {
+            return Ok(()); // the next full sync programs the base chains accordingly
+        }
+        let mut batch = Batch::new();
+        for chain in self.base().chains.iter().filter(|c| c.base.is_some()) {
+            batch.flush_chain(&chain.name);
+            for rule in &chain.rules {
+                batch.add_rule(&chain.name, rule);
+            }
+        }
+        sys::nft::apply(batch)?.map_err(kernel)
+    }
+
+    fn verify(&self) -> Result<Vec<String>, BackendError> {
+        let kernel: BTreeSet<String> = sys::nft::list(Msg::GetChain)?.into_iter().collect();
+        let desired: BTreeSet<String> = self
+            .base()
+            .chains
+            .iter()
+            .chain(self.fragments.values().flat_map(|f| f.chains.iter()))
+            .map(|c| c.name.clone())
+            .collect();
+        let mut drift: Vec<String> = desired.difference(&kernel).map(|c| format!("chain {c} is missing")).collect();
+        drift.extend(
+            kernel
+                .difference(&desired)
+                .filter(|c| !self.stale_chains.contains(*c))
+                .map(|c| format!("chain {c} is not ours to keep")),
+        );
+        Ok(drift)
     }
 }
 

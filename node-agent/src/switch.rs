@@ -1,0 +1,290 @@
+//! The live mode switch: a pure state machine ([`decide`], [`recover`]) and its persisted state.
+//!
+//! ```text
+//!  Active(old) ─► Preparing(new: programmed, bypassed) ─► CutOver(new takes new connections,
+//!  old bypassed) ─► Verifying(health gate) ─► Cleaning(old removed) ─► Active(new)
+//!        any failure, timeout or a changed wish ─► RollingBack ─► Active(old)
+//! ```
+//! Make-before-break works because NAT is decided once per connection: established connections
+//! keep their conntrack binding whichever backend made it. Every backend has a bypass switch at
+//! its entry points, so CutOver is "un-bypass new, then bypass old" and rollback the reverse,
+//! whatever the pair of backends. The driver persists the phase *before* running its effect, so a
+//! crash at any point is recovered by [`recover`] into exactly one serving backend.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use switchyard_crds::v1alpha1::ProxyMode;
+
+/// Phase of the switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    /// One backend serves.
+    Active,
+    /// The target backend is being programmed, bypassed.
+    Preparing,
+    /// Entry points are being swapped.
+    CutOver,
+    /// The health gate runs against the target.
+    Verifying,
+    /// The old backend's objects are being removed.
+    Cleaning,
+    /// Returning to the old backend.
+    RollingBack,
+}
+
+/// What the agent persists (state file and NodeProxy status).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchState {
+    /// Current phase.
+    pub phase: Phase,
+    /// The serving backend (in Active), or the one being left (during a switch).
+    pub active: ProxyMode,
+    /// The backend being switched to.
+    pub target: Option<ProxyMode>,
+    /// Rollout token of the request being answered.
+    pub token: Option<String>,
+    /// Last token answered (switch finished, rolled back or refused).
+    pub answered: Option<String>,
+    /// How many agent restarts interrupted the current switch.
+    pub restarts: u32,
+}
+
+impl SwitchState {
+    /// Active in `mode`, nothing pending.
+    pub fn active(mode: ProxyMode) -> Self {
+        Self { phase: Phase::Active, active: mode, target: None, token: None, answered: None, restarts: 0 }
+    }
+}
+
+/// What the operator asks for (NodeProxy spec).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Desired {
+    /// Desired mode.
+    pub mode: ProxyMode,
+    /// Rollout token.
+    pub token: Option<String>,
+}
+
+/// Health-gate observations during Verifying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GateProgress {
+    /// Time since the cut-over.
+    pub elapsed: Duration,
+    /// How long the probes have been passing without interruption.
+    pub healthy_for: Duration,
+    /// Consecutive failed probe rounds.
+    pub consecutive_failures: u32,
+}
+
+/// Health-gate parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gate {
+    /// Probes must pass this long.
+    pub min_healthy: Duration,
+    /// Overall deadline from the cut-over.
+    pub timeout: Duration,
+    /// Consecutive failures that fail the switch.
+    pub failure_threshold: u32,
+}
+
+/// The next step for the driver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing to do.
+    Idle,
+    /// Start a switch to `target` for `token`.
+    Prepare {
+        /// Target mode.
+        target: ProxyMode,
+        /// Token.
+        token: Option<String>,
+    },
+    /// Refuse the request: the node cannot run the mode.
+    Refuse {
+        /// Why.
+        reason: String,
+    },
+    /// Swap the entry points.
+    CutOver,
+    /// Keep verifying.
+    Verify,
+    /// Gate passed: remove the old backend.
+    Clean,
+    /// Return to the old backend.
+    RollBack {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Decides the next step from the persisted state, the wish, what the kernel supports and the
+/// gate's progress. Pure.
+pub fn decide(state: &SwitchState, desired: Option<&Desired>, supported: &[ProxyMode], gate: Gate, progress: GateProgress) -> Step {
+    match state.phase {
+        Phase::Active => match desired {
+            Some(d) if d.mode != state.active && (d.token.is_none() || d.token != state.answered) => {
+                if supported.contains(&d.mode) {
+                    Step::Prepare { target: d.mode, token: d.token.clone() }
+                } else {
+                    Step::Refuse { reason: format!("this node cannot run {} (supported: {supported:?})", d.mode) }
+                }
+            }
+            _ => Step::Idle,
+        },
+        _ if desired.is_some_and(|d| Some(d.mode) != state.target) && state.phase != Phase::RollingBack => {
+            Step::RollBack { reason: "the desired mode changed during the switch".into() }
+        }
+        Phase::Preparing => Step::CutOver,
+        Phase::CutOver => Step::Verify,
+        Phase::Verifying => {
+            if progress.consecutive_failures >= gate.failure_threshold {
+                Step::RollBack {
+                    reason: format!("health gate failed {} consecutive probe rounds", progress.consecutive_failures),
+                }
+            } else if progress.healthy_for >= gate.min_healthy && progress.consecutive_failures == 0 {
+                Step::Clean
+            } else if progress.elapsed >= gate.timeout {
+                Step::RollBack { reason: format!("health gate not passed within {}s", gate.timeout.as_secs()) }
+            } else {
+                Step::Verify
+            }
+        }
+        Phase::Cleaning => Step::Clean,
+        Phase::RollingBack => Step::RollBack { reason: "resuming rollback".into() },
+    }
+}
+
+/// Restarts allowed to interrupt one switch before it is reported failed.
+pub const MAX_RESTARTS: u32 = 3;
+
+/// How to come back after a restart: which backend serves, which to remove, and the new state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// The backend to (re)program un-bypassed.
+    pub serve: ProxyMode,
+    /// Backends whose objects must be removed.
+    pub remove: Vec<ProxyMode>,
+    /// State after recovery (always Active).
+    pub state: SwitchState,
+    /// A result to report, if the interrupted switch is over.
+    pub result: Option<(&'static str, String)>,
+}
+
+/// Recovers from a persisted state: Cleaning finishes forward (the gate had passed); any earlier
+/// phase returns to the old backend and retries later (unless it was interrupted too often).
+pub fn recover(persisted: &SwitchState) -> Recovery {
+    let others = |keep: ProxyMode| ProxyMode::ALL.iter().copied().filter(|m| *m != keep).collect::<Vec<_>>();
+    match (persisted.phase, persisted.target) {
+        (Phase::Active, _) | (_, None) => Recovery {
+            serve: persisted.active,
+            remove: others(persisted.active),
+            state: SwitchState { phase: Phase::Active, target: None, ..persisted.clone() },
+            result: None,
+        },
+        (Phase::Cleaning, Some(target)) => Recovery {
+            serve: target,
+            remove: others(target),
+            state: SwitchState {
+                phase: Phase::Active,
+                active: target,
+                target: None,
+                answered: persisted.token.clone(),
+                token: None,
+                restarts: 0,
+            },
+            result: Some(("Succeeded", "switch completed after an agent restart during cleaning".into())),
+        },
+        (phase, Some(_)) => {
+            let restarts = persisted.restarts + 1;
+            let give_up = restarts >= MAX_RESTARTS;
+            Recovery {
+                serve: persisted.active,
+                remove: others(persisted.active),
+                state: SwitchState {
+                    phase: Phase::Active,
+                    active: persisted.active,
+                    target: None,
+                    answered: if give_up { persisted.token.clone() } else { persisted.answered.clone() },
+                    token: None,
+                    restarts: if give_up { 0 } else { restarts },
+                },
+                result: give_up.then(|| ("Failed", format!("the agent restarted {restarts} times during the switch (last in {phase:?})"))),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ProxyMode::*;
+
+    const GATE: Gate = Gate { min_healthy: Duration::from_secs(10), timeout: Duration::from_secs(60), failure_threshold: 3 };
+
+    fn st(phase: Phase, active: ProxyMode, target: Option<ProxyMode>) -> SwitchState {
+        SwitchState { phase, active, target, token: Some("t1".into()), answered: None, restarts: 0 }
+    }
+    fn want(mode: ProxyMode, token: &str) -> Desired {
+        Desired { mode, token: Some(token.into()) }
+    }
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn decide_table() {
+        let both = [Iptables, Nftables];
+        let ok = |healthy: u64, elapsed: u64| GateProgress { elapsed: secs(elapsed), healthy_for: secs(healthy), consecutive_failures: 0 };
+        let cases: Vec<(&str, SwitchState, Option<Desired>, GateProgress, Step)> = vec![
+            ("no wish", SwitchState::active(Iptables), None, ok(0, 0), Step::Idle),
+            ("already there", SwitchState::active(Nftables), Some(want(Nftables, "t1")), ok(0, 0), Step::Idle),
+            ("new wish", SwitchState::active(Iptables), Some(want(Nftables, "t1")),
+                ok(0, 0), Step::Prepare { target: Nftables, token: Some("t1".into()) }),
+            ("answered token is not retried", SwitchState { answered: Some("t1".into()), ..SwitchState::active(Iptables) },
+                Some(want(Nftables, "t1")), ok(0, 0), Step::Idle),
+            ("a new token retries", SwitchState { answered: Some("t1".into()), ..SwitchState::active(Iptables) },
+                Some(want(Nftables, "t2")), ok(0, 0), Step::Prepare { target: Nftables, token: Some("t2".into()) }),
+            ("unsupported", SwitchState::active(Iptables), Some(want(Ipvs, "t1")), ok(0, 0),
+                Step::Refuse { reason: "this node cannot run ipvs (supported: [Iptables, Nftables])".into() }),
+            ("prepared", st(Phase::Preparing, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(0, 0), Step::CutOver),
+            ("cut over", st(Phase::CutOver, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(0, 0), Step::Verify),
+            ("verifying, not yet", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(5, 5), Step::Verify),
+            ("verified", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(10, 12), Step::Clean),
+            ("failures", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")),
+                GateProgress { elapsed: secs(3), healthy_for: secs(0), consecutive_failures: 3 },
+                Step::RollBack { reason: "health gate failed 3 consecutive probe rounds".into() }),
+            ("two failures are tolerated", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")),
+                GateProgress { elapsed: secs(3), healthy_for: secs(0), consecutive_failures: 2 }, Step::Verify),
+            ("timeout", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(2, 60),
+                Step::RollBack { reason: "health gate not passed within 60s".into() }),
+            ("wish changed mid-switch", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Iptables, "t2")), ok(10, 12),
+                Step::RollBack { reason: "the desired mode changed during the switch".into() }),
+            ("cleaning continues", st(Phase::Cleaning, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(0, 0), Step::Clean),
+        ];
+        for (what, state, desired, progress, step) in cases {
+            assert_eq!(decide(&state, desired.as_ref(), &both, GATE, progress), step, "{what}");
+        }
+    }
+
+    #[test]
+    fn recovery_leaves_exactly_one_backend() {
+        for phase in [Phase::Preparing, Phase::CutOver, Phase::Verifying, Phase::RollingBack] {
+            let r = recover(&st(phase, Iptables, Some(Nftables)));
+            assert_eq!(r.serve, Iptables, "{phase:?}");
+            assert_eq!(r.remove, vec![Ipvs, Nftables], "{phase:?}");
+            assert_eq!(r.state.phase, Phase::Active);
+            assert_eq!(r.state.restarts, 1);
+            assert_eq!(r.result, None, "{phase:?}: retried, not reported");
+        }
+        let r = recover(&st(Phase::Cleaning, Iptables, Some(Nftables)));
+        assert_eq!((r.serve, r.remove.clone()), (Nftables, vec![Iptables, Ipvs]));
+        assert_eq!(r.state.answered.as_deref(), Some("t1"));
+        assert_eq!(r.result.map(|x| x.0), Some("Succeeded"));
+        let r = recover(&SwitchState { restarts: MAX_RESTARTS - 1, ..st(Phase::Verifying, Iptables, Some(Nftables)) });
+        assert_eq!(r.result.map(|x| x.0), Some("Failed"));
+        assert_eq!(r.state.answered.as_deref(), Some("t1"), "given up: the token is answered");
+        let r = recover(&SwitchState::active(Nftables));
+        assert_eq!((r.serve, r.remove), (Nftables, vec![Iptables, Ipvs]));
+    }
+}
