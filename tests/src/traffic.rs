@@ -132,6 +132,20 @@ pub fn start_load(netns: &str, target: SocketAddr, count: u32, interval_ms: u64)
 }
 
 impl Load {
+    /// Stops the load now and returns the outcomes so far.
+    pub fn stop(mut self) -> Result<Vec<Outcome>> {
+        let mut child = self.child.take().ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let mut text = String::new();
+        if let Some(mut out) = child.stdout.take() {
+            use std::io::Read;
+            let _ = out.read_to_string(&mut text);
+        }
+        let _ = child.wait();
+        // The last line may be cut by the signal; keep only complete answers and failures.
+        Ok(parse(&text).into_iter().filter(|o| !matches!(o, Outcome::Error(_))).collect())
+    }
+
     /// Waits for the load to finish and returns every outcome.
     pub fn finish(mut self) -> Result<Vec<Outcome>> {
         let child = self.child.take().ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
