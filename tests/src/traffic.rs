@@ -161,3 +161,17 @@ impl Drop for Load {
         }
     }
 }
+
+/// One HTTP GET from `netns`: (status code, full response text).
+pub fn http_get(netns: &str, target: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let bin = binaries::workspace_bin("swy-echo")?;
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns])
+        .arg(bin)
+        .args(["http", "--target", &target.to_string(), "--path", path])
+        .output()
+        .map_err(io_err("run swy-echo http"))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let code = text.lines().next().and_then(|l| l.trim().parse().ok()).unwrap_or(0);
+    Ok((code, text))
+}

@@ -13,7 +13,7 @@ use switchyard_e2e::{
     binaries,
     netns::Cluster,
     objects::{Ep, apply_service, apply_slice, delete_service},
-    traffic::{Outcome, probe, start_server, tally},
+    traffic::{Outcome, http_get, probe, start_server, tally},
 };
 
 const WEB: &str = "10.96.0.100";
@@ -44,6 +44,18 @@ async fn until_answered(netns: &str, target: SocketAddr, udp: bool, limit: Durat
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// The kernel's rules without packet counters and timestamps (they change with traffic).
+fn rules_only(text: &str) -> String {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| match (l.starts_with(':'), l.rfind(" [")) {
+            (true, Some(i)) => &l[..i],
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn kernel_state(netns: &str, mode: &str) -> String {
@@ -157,6 +169,35 @@ async fn scenario(mode: &str) {
     let o = probe(client, addr(ITP, 80), false, 3, 500).expect("probe");
     assert!(o.iter().all(|x| *x == Outcome::Timeout), "{mode}: ITP=Local without local endpoint must drop: {o:?}");
 
+    // Health: /healthz and /livez with kube-proxy's semantics, /metrics with kube-proxy's names.
+    let (code, body) = http_get(&n1.netns, addr("127.0.0.1", 10256), "/healthz").expect("healthz");
+    assert_eq!(code, 200, "{mode}: {body}");
+    assert!(body.contains("\"healthy\":true") && body.contains("\"nodeEligible\":true") && body.contains("application/json"), "{mode}: {body}");
+    let (code, _) = http_get(&n1.netns, addr("127.0.0.1", 10256), "/livez").expect("livez");
+    assert_eq!(code, 200);
+    let (code, metrics) = http_get(&n1.netns, addr("127.0.0.1", 10249), "/metrics").expect("metrics");
+    assert_eq!(code, 200);
+    for name in ["kubeproxy_sync_proxy_rules_duration_seconds_bucket", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                 "kubeproxy_sync_proxy_rules_service_changes_pending", "kubeproxy_sync_proxy_rules_no_local_endpoints",
+                 "kubeproxy_proxy_healthz_total", "switchyard_programmed_services"] {
+        assert!(metrics.contains(name), "{mode}: /metrics lacks {name}");
+    }
+    // The health-check node port of the ETP=Local LoadBalancer: 200 where a local endpoint exists.
+    let (code, body) = http_get(&fabric, addr(&n1.ip.to_string(), 30999), "/").expect("hc");
+    assert_eq!(code, 200, "{mode}: {body}");
+    assert!(body.contains("\"localEndpoints\":1") && body.to_lowercase().contains("x-load-balancing-endpoint-weight: 1"), "{mode}: {body}");
+    let (code, _) = http_get(&fabric, addr(&n3.ip.to_string(), 30999), "/").expect("hc");
+    assert_eq!(code, 503, "{mode}: no local endpoint on node-3");
+
+    // --render prints the rules for the cluster state without touching the kernel.
+    let bin = binaries::workspace_bin("switchyard-agent").expect("agent bin");
+    let before = rules_only(&kernel_state(&n2.netns, mode));
+    let rendered = Cluster::exec(&n2.netns, &[&bin.display().to_string(), "--render", "--node-name", "node-2", "--kubeconfig",
+        &env.agents.iter().find(|a| a.node == n2.name).expect("agent").kubeconfig.display().to_string(), "--mode", mode,
+        "--cluster-cidr", "10.244.0.0/16"]).expect("render");
+    assert!(rendered.contains(WEB) && rendered.contains(if mode == "nftables" { "table ip switchyard" } else { "*nat" }), "{mode}: {rendered}");
+    assert_eq!(rules_only(&kernel_state(&n2.netns, mode)), before, "{mode}: --render changed the kernel");
+
     // Hairpin: an endpoint reaching its own Service, and itself through it.
     let o = probe(&n1.pods[0].netns, addr(WEB, 80), false, 30, 1000).expect("probe");
     let t = tally(&o);
@@ -204,7 +245,6 @@ async fn scenario(mode: &str) {
     // --cleanup leaves nothing of ours in the node.
     let idx = env.agents.iter().position(|a| a.node == n3.name).expect("agent");
     drop(env.agents.remove(idx));
-    let bin = binaries::workspace_bin("switchyard-agent").expect("agent bin");
     Cluster::exec(&n3.netns, &[&bin.display().to_string(), "--cleanup"]).expect("cleanup");
     let state = kernel_state(&n3.netns, mode);
     assert!(!state.contains("switchyard") && !state.contains("SWY"), "{mode}: leftovers after --cleanup:\n{state}");

@@ -4,6 +4,9 @@
 //! UDP datagram with `N <peer-ip>:<peer-port>` (so tests see which endpoint answered and which
 //! source address it saw), until killed.
 //!
+//! `swy-echo http --target IP:PORT --path /P`: one HTTP/1.0 GET; prints the status code, then the
+//! headers and body.
+//!
 //! `swy-echo client --target IP:PORT --proto tcp|udp --count N [--timeout-ms T] [--interval-ms I]`:
 //! makes N bounded attempts and prints one line each: `ok <name> <peer>`, `refused`, `timeout` or
 //! `error <detail>`.
@@ -104,11 +107,37 @@ fn client(args: &[String]) {
     }
 }
 
+fn http(args: &[String]) {
+    let Some(target) = arg(args, "--target").and_then(|t| t.parse::<SocketAddr>().ok()) else {
+        eprintln!("swy-echo http: --target IP:PORT is required");
+        std::process::exit(2);
+    };
+    let path = arg(args, "--path").unwrap_or_else(|| "/".into());
+    let result = TcpStream::connect_timeout(&target, Duration::from_secs(2)).and_then(|mut s| {
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: {target}\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        Ok(text)
+    });
+    match result {
+        Ok(text) => {
+            let code = text.split_whitespace().nth(1).unwrap_or("0");
+            println!("{code}\n{text}");
+        }
+        Err(e) => {
+            println!("error {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("serve") => serve(&args),
         Some("client") => client(&args),
+        Some("http") => http(&args),
         _ => {
             eprintln!("usage: swy-echo serve --name N --tcp P --udp P | client --target IP:PORT --proto tcp|udp --count N");
             std::process::exit(2);
