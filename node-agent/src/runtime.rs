@@ -135,68 +135,88 @@ fn trim<K: kube::Resource>(mut obj: K) -> K {
     obj
 }
 
-async fn watch_services(client: Client, shared: Arc<Shared>) -> Result<()> {
-    let mut init: Vec<Service> = Vec::new();
-    let mut stream = watcher(Api::<Service>::all(client), watcher::Config::default()).default_backoff().boxed();
-    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("service watch: {e}")))? {
-        let changed = {
-            let mut t = lock(&shared.tracker);
-            match event {
-                watcher::Event::Apply(s) => t.apply_service(&trim(s)),
-                watcher::Event::Delete(s) => t.delete_service(
-                    s.metadata.namespace.as_deref().unwrap_or_default(),
-                    s.metadata.name.as_deref().unwrap_or_default(),
-                ),
-                watcher::Event::Init => {
-                    init.clear();
-                    false
-                }
-                watcher::Event::InitApply(s) => {
-                    init.push(trim(s));
-                    false
-                }
-                watcher::Event::InitDone => {
-                    t.reset_services(&std::mem::take(&mut init));
-                    true
-                }
-            }
-        };
-        if changed {
-            shared.metrics.service_changes_total.inc();
-            notify(&shared);
-        }
-    }
-    Ok(())
+/// How a watched kind feeds the tracker.
+trait Tracked: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + 'static
+{
+    /// Watch name for errors.
+    const WHAT: &'static str;
+    /// An add or update; returns whether anything programmed changed.
+    fn apply(tracker: &mut Tracker, obj: &Self) -> bool;
+    /// A delete.
+    fn delete(tracker: &mut Tracker, namespace: &str, name: &str) -> bool;
+    /// A relist.
+    fn reset(tracker: &mut Tracker, all: &[Self]);
+    /// The metric to count a change with.
+    fn counter(metrics: &Metrics) -> &prometheus_client::metrics::counter::Counter;
 }
 
-async fn watch_slices(client: Client, shared: Arc<Shared>) -> Result<()> {
-    let mut init: Vec<EndpointSlice> = Vec::new();
-    let mut stream = watcher(Api::<EndpointSlice>::all(client), watcher::Config::default()).default_backoff().boxed();
-    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("endpointslice watch: {e}")))? {
+impl Tracked for Service {
+    const WHAT: &'static str = "service";
+    fn apply(t: &mut Tracker, o: &Self) -> bool {
+        t.apply_service(o)
+    }
+    fn delete(t: &mut Tracker, ns: &str, name: &str) -> bool {
+        t.delete_service(ns, name)
+    }
+    fn reset(t: &mut Tracker, all: &[Self]) {
+        t.reset_services(all)
+    }
+    fn counter(m: &Metrics) -> &prometheus_client::metrics::counter::Counter {
+        &m.service_changes_total
+    }
+}
+
+impl Tracked for EndpointSlice {
+    const WHAT: &'static str = "endpointslice";
+    fn apply(t: &mut Tracker, o: &Self) -> bool {
+        t.apply_slice(o)
+    }
+    fn delete(t: &mut Tracker, ns: &str, name: &str) -> bool {
+        t.delete_slice(ns, name)
+    }
+    fn reset(t: &mut Tracker, all: &[Self]) {
+        t.reset_slices(all)
+    }
+    fn counter(m: &Metrics) -> &prometheus_client::metrics::counter::Counter {
+        &m.endpoint_changes_total
+    }
+}
+
+/// Feeds one kind's watch events into the tracker; a relist replaces the kind's whole state.
+async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Result<()> {
+    let mut init: Vec<K> = Vec::new();
+    let mut stream = watcher(Api::<K>::all(client), watcher::Config::default()).default_backoff().boxed();
+    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("{} watch: {e}", K::WHAT)))? {
         let changed = {
             let mut t = lock(&shared.tracker);
             match event {
-                watcher::Event::Apply(s) => t.apply_slice(&trim(s)),
-                watcher::Event::Delete(s) => t.delete_slice(
-                    s.metadata.namespace.as_deref().unwrap_or_default(),
-                    s.metadata.name.as_deref().unwrap_or_default(),
+                watcher::Event::Apply(o) => K::apply(&mut t, &trim(o)),
+                watcher::Event::Delete(o) => K::delete(
+                    &mut t,
+                    o.meta().namespace.as_deref().unwrap_or_default(),
+                    o.meta().name.as_deref().unwrap_or_default(),
                 ),
                 watcher::Event::Init => {
                     init.clear();
                     false
                 }
-                watcher::Event::InitApply(s) => {
-                    init.push(trim(s));
+                watcher::Event::InitApply(o) => {
+                    init.push(trim(o));
                     false
                 }
                 watcher::Event::InitDone => {
-                    t.reset_slices(&std::mem::take(&mut init));
+                    K::reset(&mut t, &std::mem::take(&mut init));
                     true
                 }
             }
         };
         if changed {
-            shared.metrics.endpoint_changes_total.inc();
+            K::counter(&shared.metrics).inc();
             notify(&shared);
         }
     }
@@ -263,8 +283,8 @@ pub async fn run(client: Client, config: Config, health: Arc<ProxyHealth>, metri
         let (name, name2) = (config.node_name.clone(), config.node_name.clone());
         async move {
             tokio::try_join!(
-                watch_services(c1, s1),
-                watch_slices(c2, s2),
+                watch_tracked::<Service>(c1, s1),
+                watch_tracked::<EndpointSlice>(c2, s2),
                 watch_node(c3, name, s3),
                 watch_own_nodeproxy(c4, name2, s4)
             )
