@@ -40,6 +40,16 @@ pub struct NftablesBackend {
     programmed: bool,
 }
 
+/// The entries of one Service in a map keyed by service port, by range (the key orders by
+/// Service first), so a partial sync costs O(changed ports), not O(all ports).
+fn ports_of<'a, V>(
+    map: &'a BTreeMap<ServicePortName, V>,
+    service: &'a ServiceName,
+) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> + 'a {
+    let first = ServicePortName { service: service.clone(), port_name: String::new(), protocol: crate::model::Protocol::Tcp };
+    map.range(first..).take_while(move |(k, _)| &k.service == service)
+}
+
 fn kernel(detail: String) -> BackendError {
     BackendError::Kernel { backend: "nftables", detail }
 }
@@ -70,15 +80,14 @@ impl NftablesBackend {
     }
 
     fn render_fragments(&self, snapshot: &Snapshot, only: Option<&ServiceName>) -> BTreeMap<ServicePortName, Fragment> {
-        snapshot
-            .services
-            .iter()
-            .filter(|(name, _)| only.is_none_or(|s| &name.service == s))
-            .map(|(name, port)| {
-                let eps = snapshot.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
-                (name.clone(), render::service(port, eps, &self.settings))
-            })
-            .collect()
+        let render = |(name, port): (&ServicePortName, &crate::model::ServicePort)| {
+            let eps = snapshot.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
+            (name.clone(), render::service(port, eps, &self.settings))
+        };
+        match only {
+            None => snapshot.services.iter().map(render).collect(),
+            Some(service) => ports_of(&snapshot.services, service).map(render).collect(),
+        }
     }
 
     fn delete_stale(&mut self) -> Result<(), BackendError> {
@@ -184,8 +193,7 @@ impl NftablesBackend {
         let mut removed: Vec<Fragment> = Vec::new();
         let mut added: BTreeMap<ServicePortName, Fragment> = BTreeMap::new();
         for service in &changes.services {
-            let old_keys: Vec<ServicePortName> =
-                self.fragments.keys().filter(|k| &k.service == service).cloned().collect();
+            let old_keys: Vec<ServicePortName> = ports_of(&self.fragments, service).map(|(k, _)| k.clone()).collect();
             removed.extend(old_keys.iter().filter_map(|k| self.fragments.remove(k)));
             added.extend(self.render_fragments(snapshot, Some(service)));
         }
