@@ -14,6 +14,7 @@ pub mod health;
 pub mod metrics;
 pub mod runtime;
 pub mod switch;
+pub mod takeover;
 pub mod probe;
 pub mod report;
 pub mod sys;

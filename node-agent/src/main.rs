@@ -64,6 +64,10 @@ struct Args {
     /// Address of /metrics.
     #[arg(long, default_value = "0.0.0.0:10249")]
     metrics_bind_address: SocketAddr,
+    /// Once our rules serve the node, remove kube-proxy's leftovers (its nftables tables and
+    /// KUBE-* iptables chains; kubelet's chains are kept).
+    #[arg(long)]
+    takeover_kube_proxy: bool,
     /// Directory for the persisted switch state.
     #[arg(long, default_value = "/var/lib/switchyard")]
     state_dir: PathBuf,
@@ -152,6 +156,7 @@ fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Ca
         sync_period: Duration::from_secs_f64(args.sync_period),
         capabilities: caps,
         state_dir: args.state_dir.clone(),
+        takeover_kube_proxy: args.takeover_kube_proxy,
     })
 }
 

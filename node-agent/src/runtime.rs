@@ -68,6 +68,8 @@ pub struct Config {
     pub capabilities: Capabilities,
     /// Directory of the persisted switch state.
     pub state_dir: std::path::PathBuf,
+    /// Remove kube-proxy's leftovers once Switchyard serves the node.
+    pub takeover_kube_proxy: bool,
 }
 
 /// Derives the node facts and the backend settings from the Node object.
@@ -407,6 +409,7 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
     let mut last_report: Option<Instant> = None;
     let mut last_stats: Option<(backend::SyncStats, Duration)>;
     let mut health_servers = ServiceHealthServers::new(shared.health.clone());
+    let mut took_over = !config.takeover_kube_proxy;
     loop {
         let tick = if driver.as_ref().is_some_and(Driver::switching) { Duration::from_secs(1) } else { config.sync_period };
         tokio::select! {
@@ -471,6 +474,14 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
                 health_servers.sync(health_check_ports(&snapshot, &settings));
                 no_local_endpoints(&snapshot, &settings, &shared.metrics);
                 last_stats = Some((stats, took));
+                if !took_over && driver.as_ref().is_some_and(|d| !d.switching()) {
+                    // Our rules serve now: kube-proxy's leftovers can go.
+                    let (removed, errors) = tokio::task::spawn_blocking(crate::takeover::takeover)
+                        .await
+                        .map_err(|e| Error::Config(format!("takeover task: {e}")))?;
+                    tracing::info!(?removed, ?errors, "took over from kube-proxy");
+                    took_over = errors.is_empty();
+                }
             }
             Err(e) => {
                 need_full = true;

@@ -104,7 +104,12 @@ async fn scenario(mode: &str) {
         "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("itp");
     apply_slice(&admin, "itp", &http, &[Ep::ready(n2.pods[0].ip, &n2.name)]).await.expect("itp slice");
 
-    let agent_args = ["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1"];
+    // kube-proxy ran on node-1 before: its nftables table and iptables chains are still there.
+    Cluster::exec(&n1.netns, &["nft", "add table ip kube-proxy; add chain ip kube-proxy services"]).expect("kube-proxy nft leftovers");
+    Cluster::exec(&n1.netns, &["sh", "-c", "iptables-legacy -t nat -N KUBE-SERVICES && iptables-legacy -t nat -N KUBE-SVC-X && \
+        iptables-legacy -t nat -A KUBE-SERVICES -j KUBE-SVC-X && iptables-legacy -t nat -A PREROUTING -j KUBE-SERVICES && \
+        iptables-legacy -t filter -N KUBE-FIREWALL"]).expect("kube-proxy iptables leftovers");
+    let agent_args = ["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1", "--takeover-kube-proxy"];
     env.start_agents(&agent_args).await.expect("agents");
     for node in &nodes {
         let o = until_answered(&node.pods[1].netns, addr(WEB, 80), false, Duration::from_secs(60)).await;
@@ -112,6 +117,19 @@ async fn scenario(mode: &str) {
             env.agents.iter().find(|a| a.node == node.name).map(Agent::log_text).unwrap_or_default());
     }
     let client = &n1.pods[1].netns;
+    // --takeover-kube-proxy removed kube-proxy's leftovers once ours served, and kept kubelet's chain.
+    let mut taken = false;
+    for _ in 0..50 {
+        let nft = Cluster::exec(&n1.netns, &["nft", "list", "tables"]).unwrap_or_default();
+        let ipt = Cluster::exec(&n1.netns, &["iptables-legacy-save"]).unwrap_or_default();
+        if !nft.contains("kube-proxy") && !ipt.contains("KUBE-SERVICES") && !ipt.contains("KUBE-SVC-X") {
+            assert!(ipt.contains(":KUBE-FIREWALL"), "{mode}: kubelet's chain must stay");
+            taken = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(taken, "{mode}: kube-proxy leftovers not removed");
 
     // ClusterIP TCP: every attempt answered, spread over the 3 endpoints. With 90 uniform attempts
     // each endpoint expects 30 (sd 4.5); [15, 45] is a ±3.3 sd tolerance.

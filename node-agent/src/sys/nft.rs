@@ -97,3 +97,28 @@ pub fn table_exists() -> Result<bool> {
     let replies = transport.request(&crate::backend::nftables::encode::get_table_request(1), &[1])?;
     Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
 }
+
+/// `NFPROTO_IPV4`.
+pub const NFPROTO_IPV4_FAMILY: u8 = 2;
+/// `NFPROTO_IPV6`.
+pub const NFPROTO_IPV6_FAMILY: u8 = 10;
+
+/// Deletes another component's table `name` in `family` (used only to take over from
+/// kube-proxy). Returns whether it existed.
+pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let get = MessageBuilder::new(nft_kind(1 /* NFT_MSG_GETTABLE */), NLM_F_REQUEST | NLM_F_ACK, 1, &nfgenmsg(family, 0))
+        .attr_str(NFTA_TABLE_NAME, name)
+        .finish();
+    let exists = !transport.request(&get, &[1])?.iter().any(|r| r.error.is_some_and(|e| e != 0));
+    if !exists {
+        return Ok(false);
+    }
+    let delete = MessageBuilder::new(nft_kind(NFT_MSG_DELTABLE), NLM_F_REQUEST | NLM_F_ACK, 1, &nfgenmsg(family, 0))
+        .attr_str(NFTA_TABLE_NAME, name)
+        .finish();
+    match first_error(&transport, batch(vec![delete], 1), 1, "delete table")? {
+        None => Ok(true),
+        Some(reason) => Err(crate::Error::Config(reason)),
+    }
+}

@@ -1,0 +1,111 @@
+//! `--takeover-kube-proxy`: once Switchyard serves a node, remove what kube-proxy left behind
+//! (kube-proxy never deletes its rules on exit, KEP-2448): its nftables tables and its iptables
+//! chains, in both iptables variants. Chains kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`,
+//! `KUBE-MARK-DROP`) are kept, as kube-proxy's own cleanup keeps them.
+
+use crate::{
+    sys::{
+        self,
+        iptables::{Iptables, Table, Variant},
+    },
+};
+
+/// kube-proxy's fixed chains (its per-service chains are matched by prefix).
+const FIXED: [&str; 8] = [
+    "KUBE-SERVICES",
+    "KUBE-EXTERNAL-SERVICES",
+    "KUBE-FORWARD",
+    "KUBE-NODEPORTS",
+    "KUBE-POSTROUTING",
+    "KUBE-MARK-MASQ",
+    "KUBE-PROXY-FIREWALL",
+    "KUBE-PROXY-CANARY",
+];
+const PER_SERVICE: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
+
+/// Whether a chain is kube-proxy's to remove.
+pub fn is_kube_proxy_chain(chain: &str) -> bool {
+    FIXED.contains(&chain) || PER_SERVICE.iter().any(|p| chain.starts_with(p))
+}
+
+/// The `iptables-restore --noflush` input that removes kube-proxy's chains from one table's
+/// `iptables-save` output: first every rule of other chains that jumps into them, then the chains
+/// (declared, which flushes them, then `-X`). Pure; empty when there is nothing to remove.
+pub fn removal_input(table: &str, save: &str) -> String {
+    let chains: Vec<&str> = save
+        .lines()
+        .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
+        .filter(|c| is_kube_proxy_chain(c))
+        .collect();
+    if chains.is_empty() {
+        return String::new();
+    }
+    let mut out = format!("*{table}\n");
+    for line in save.lines().filter(|l| l.starts_with("-A ")) {
+        let mut words = line.split_whitespace().skip(1);
+        let chain = words.next().unwrap_or_default();
+        let target = line.split(" -j ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap_or_default();
+        if !is_kube_proxy_chain(chain) && is_kube_proxy_chain(target) {
+            out.push_str(&line.replacen("-A ", "-D ", 1));
+            out.push('\n');
+        }
+    }
+    for c in &chains {
+        out.push_str(&format!(":{c} - [0:0]\n"));
+    }
+    for c in &chains {
+        out.push_str(&format!("-X {c}\n"));
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// Removes kube-proxy's leftovers from this network namespace; returns what it removed, and the
+/// errors of the steps that failed (each step is independent).
+pub fn takeover() -> (Vec<String>, Vec<String>) {
+    let (mut removed, mut errors) = (Vec::new(), Vec::new());
+    for family in [sys::nft::NFPROTO_IPV4_FAMILY, sys::nft::NFPROTO_IPV6_FAMILY] {
+        match sys::nft::delete_table_if_present(family, "kube-proxy") {
+            Ok(true) => removed.push(format!("nftables table {} kube-proxy", if family == sys::nft::NFPROTO_IPV4_FAMILY { "ip" } else { "ip6" })),
+            Ok(false) => {}
+            Err(e) => errors.push(format!("nftables kube-proxy table: {e}")),
+        }
+    }
+    for variant in [Variant::Legacy, Variant::Nft] {
+        let ipt = Iptables::new(variant, None);
+        for (table, name) in [(Table::Filter, "filter"), (Table::Nat, "nat")] {
+            let save = match ipt.save(table) {
+                Ok(s) => s,
+                Err(_) => continue, // variant or table unusable here: nothing of kube-proxy's to remove
+            };
+            let input = removal_input(name, &save);
+            if input.is_empty() {
+                continue;
+            }
+            match ipt.restore(&input) {
+                Ok(()) => removed.push(format!("iptables-{} {name} KUBE-* chains", variant.as_str())),
+                Err(e) => errors.push(format!("iptables-{} {name}: {e}", variant.as_str())),
+            }
+        }
+    }
+    (removed, errors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn removal_deletes_jumps_then_kube_proxy_chains_and_keeps_kubelets() {
+        let save = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n:KUBE-MARK-DROP - [0:0]\n\
+            -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+            -A PREROUTING -j KUBE-MARK-DROP\n-A KUBE-SERVICES -d 10.96.0.1/32 -j KUBE-SVC-ABC\nCOMMIT\n";
+        let input = removal_input("nat", save);
+        assert_eq!(
+            input,
+            "*nat\n-D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+             :KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n-X KUBE-SERVICES\n-X KUBE-SVC-ABC\nCOMMIT\n"
+        );
+        assert_eq!(removal_input("nat", "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-MARK-DROP - [0:0]\nCOMMIT\n"), "");
+    }
+}
