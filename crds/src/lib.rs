@@ -9,6 +9,9 @@
 //! The YAML in `config/crd/` and `helm/switchyard/crds/` is generated from these types by `crdgen`
 //! ([`crd_yaml`]) and checked for staleness by a test.
 
+// kube-derive expands each `printcolumn(...)` into attributes clippy sees as duplicates.
+#![allow(clippy::duplicated_attributes)]
+
 pub mod consts;
 pub mod v1alpha1;
 

@@ -45,14 +45,14 @@ async fn answered(proxies: &Api<NodeProxy>, node: &str, token: &str, limit: Dura
     loop {
         if let Ok(np) = proxies.get(node).await {
             let status = np.status.unwrap_or_default();
-            if let Some(last) = status.last_switch.filter(|l| l.rollout_token.as_deref() == Some(token)) {
-                if status.phase == Some(SwitchPhase::Active) {
-                    let took = match (&last.started_at, &last.finished_at) {
-                        (Some(s), Some(f)) => (f.0.as_millisecond() - s.0.as_millisecond()) as f64 / 1000.0,
-                        _ => f64::NAN,
-                    };
-                    return (last.result, status.active_mode, took);
-                }
+            if let Some(last) = status.last_switch.filter(|l| l.rollout_token.as_deref() == Some(token))
+                && status.phase == Some(SwitchPhase::Active)
+            {
+                let took = match (&last.started_at, &last.finished_at) {
+                    (Some(s), Some(f)) => (f.0.as_millisecond() - s.0.as_millisecond()) as f64 / 1000.0,
+                    _ => f64::NAN,
+                };
+                return (last.result, status.active_mode, took);
             }
         }
         assert!(start.elapsed() < limit, "{node} did not answer {token} within {limit:?}");

@@ -243,10 +243,10 @@ impl NftablesBackend {
         }
         for (set, e) in removed.iter().flat_map(|f| f.elements.iter()) {
             let key = (*set, e.key.clone());
-            if self.elements.get(&key).is_some_and(|(_, n)| *n == 0) {
-                if let Some((old, _)) = self.elements.remove(&key) {
-                    deletes.push((set, old));
-                }
+            if self.elements.get(&key).is_some_and(|(_, n)| *n == 0)
+                && let Some((old, _)) = self.elements.remove(&key)
+            {
+                deletes.push((set, old));
             }
         }
         let group = |list: &[(&'static str, Element)]| {
