@@ -2,7 +2,9 @@
 # The IPVS VM tier: boots a pinned Debian kernel (which has ip_vs) under qemu with pure software
 # emulation (TCG; the /dev/kvm here cannot boot a stock kernel, see shared/reference/ipvs-vm.md),
 # with a tiny initramfs whose /init runs the agent's IPVS tests (backend::ipvs::tests::vm, a
-# static test binary) against the real kernel, then powers off. The VM has no NIC: all traffic
+# static test binary) against the real kernel, then powers off. The nftables modules are there
+# for the mode-switch test (the agent's switch driver moving the node ipvs -> nftables -> ipvs
+# under a client load). The VM has no NIC: all traffic
 # stays between network namespaces inside the guest.
 #
 # Cached under ~/.cache/switchyard/ipvs-vm (override: SWITCHYARD_IPVS_VM_CACHE): the kernel .deb
@@ -83,7 +85,8 @@ kernel=$vmlinux
 modules="ip_vs ip_vs_rr ip_vs_wrr ip_vs_lc ip_vs_wlc ip_vs_sh ip_vs_dh ip_vs_sed ip_vs_nq ip_vs_mh
   veth dummy ip_tables iptable_filter iptable_nat xt_MASQUERADE xt_mark xt_comment xt_conntrack
   xt_addrtype xt_set ipt_REJECT ip_set ip_set_hash_ip ip_set_hash_ipport ip_set_hash_ipportip
-  ip_set_hash_ipportnet ip_set_bitmap_port nf_tables"
+  ip_set_hash_ipportnet ip_set_bitmap_port nf_tables nft_chain_nat nft_nat nft_ct nft_masq nft_reject_ipv4
+  nft_fib_ipv4 nft_numgen"
 key=$( (cat "$0"; echo "$KVER $modules") | md5sum | cut -c1-12)
 base=$cache/base-$key.cpio.gz
 if [ ! -s "$base" ]; then

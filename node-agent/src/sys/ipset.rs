@@ -144,6 +144,43 @@ pub fn entries(name: &str) -> Result<Vec<String>, IpsetError> {
         .collect())
 }
 
+/// Every set whose name starts with `prefix`, with its entries, from one `ipset save` (the
+/// drift check of the IPVS backend). Entries are spelled as `ipset save` prints them.
+pub fn save_all(
+    prefix: &str,
+) -> Result<std::collections::BTreeMap<String, std::collections::BTreeSet<String>>, IpsetError> {
+    Ok(parse_save(&run(&["save"], None)?, prefix))
+}
+
+/// Parses `ipset save` output (`create NAME ...` and `add NAME ENTRY` lines) into the sets whose
+/// names start with `prefix`.
+pub fn parse_save(
+    text: &str,
+    prefix: &str,
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let mut sets: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let (Some(verb), Some(name)) = (words.next(), words.next()) else {
+            continue;
+        };
+        if !name.starts_with(prefix) {
+            continue;
+        }
+        match (verb, words.next()) {
+            ("create", _) => {
+                sets.entry(name.to_owned()).or_default();
+            }
+            ("add", Some(entry)) => {
+                sets.entry(name.to_owned()).or_default().insert(entry.to_owned());
+            }
+            _ => {}
+        }
+    }
+    sets
+}
+
 /// Destroys the sets named; absent ones are fine. Sets still referenced by iptables rules fail.
 pub fn destroy(names: &[String]) -> Result<(), IpsetError> {
     if names.is_empty() {
@@ -184,5 +221,19 @@ mod tests {
         );
         assert!(temp_name("SWY-LOAD-BALANCER-SOURCE-CIDR-XYZ").len() <= MAX_NAME);
         assert_eq!(line_number("ipset v7.17: Error in line 3: Syntax error"), Some(3));
+    }
+
+    #[test]
+    fn ipset_save_parses_our_sets_only() {
+        let text = "create SWY-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 1048576\n\
+                    add SWY-CLUSTER-IP 10.96.0.10,tcp:80\n\
+                    add SWY-CLUSTER-IP 10.96.0.53,udp:53\n\
+                    create SWY-NODE-PORT-TCP bitmap:port range 0-65535\n\
+                    create other hash:ip\n\
+                    add other 192.0.2.1\n";
+        let sets = parse_save(text, SET_PREFIX);
+        assert_eq!(sets.len(), 2);
+        assert_eq!(sets["SWY-CLUSTER-IP"].len(), 2);
+        assert!(sets["SWY-NODE-PORT-TCP"].is_empty());
     }
 }

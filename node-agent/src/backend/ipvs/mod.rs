@@ -5,8 +5,8 @@
 //!    `expire_quiescent_template`, `ip_forward`; with strictARP `arp_ignore=1`/`arp_announce=2`);
 //! 2. the dummy link [`render::LINK`];
 //! 3. the `SWY-*` ipsets that changed, each replaced atomically with one `ipset restore`;
-//! 4. our iptables chains `SWY-IPVS-*` with one `iptables-restore --noflush` (and the jump rules
-//!    from the built-in chains on full syncs);
+//! 4. our iptables chains `SWY-IPVS-*` with one `iptables-restore --noflush` (on full syncs the
+//!    jump rules from the built-in chains are brought to the bypass state in the same restore);
 //! 5. the addresses on the dummy link (new ones before the virtual servers appear);
 //! 6. the virtual servers, diffed against the kernel's dump (full syncs) or the last applied state
 //!    (partial syncs), written in batched generic-netlink requests ([`crate::sys::ipvs`]);
@@ -20,6 +20,53 @@
 //! connections) and deleted at a later sync once it has no active connection; UDP and SCTP real
 //! servers are deleted at once (`expire_nodest_conn` drops their flows). A real server that comes
 //! back while terminating gets weight 1 again.
+//!
+//! # Bypass (the switch's cut-over primitive, [`Backend::set_bypass`])
+//!
+//! Where IPVS sits (kernel 6.1, `ip_vs_core.c`): it schedules remote clients' packets in
+//! LOCAL_IN (priority 99, after filter INPUT at 0), so only packets whose destination is a local
+//! address — a service address bound on [`LINK`] or a node address — reach it; and node-local
+//! clients' packets in LOCAL_OUT at -98, after nat OUTPUT (-100). nftables' and iptables' DNAT
+//! runs in nat PREROUTING/OUTPUT at -100, before routing: a connection another backend DNATs
+//! never reaches IPVS. Both nf_nat and IPVS decide once per connection: later packets follow
+//! the conntrack NAT binding (nftables/iptables) or IPVS's own connection table.
+//!
+//! Bypassed, every object stays programmed (virtual servers, real servers, ipsets, chains, and
+//! the addresses on [`LINK`]), but the jump rules from the built-in chains into `SWY-IPVS-*`
+//! ([`render::JUMPS`]) are removed and one jump from filter INPUT into [`render::BYPASS`] is
+//! inserted instead; that chain rejects (ICMP port unreachable) every *new* connection to an
+//! IPVS destination: bound service addresses, external and load-balancer addresses, node ports.
+//! Entering or leaving the bypass is one `iptables-restore --noflush` of only those jump rules
+//! (filter committed first when closing, nat first when opening). Why not unbind the
+//! addresses or set the link down: unbinding makes the addresses non-local, so packets of
+//! connections IPVS already serves would no longer reach it and those connections would break
+//! at the cut-over (and rebinding thousands of addresses is not one step); link state does not
+//! matter at all — the local routes of a down dummy link's addresses stay, which is why
+//! kube-proxy keeps `kube-ipvs0` down (checked in the VM tier).
+//!
+//! Guarantees:
+//! - A bypassed IPVS backend accepts no new connection arriving from other hosts or pods: when
+//!   another backend is active its DNAT takes the connection first; when none is, the bypass
+//!   chain refuses it (no local socket on the node answers for a service address either).
+//! - Connections IPVS already serves keep working while it is bypassed (their packets are not
+//!   `NEW`, and the addresses stay local), until [`Backend::cleanup`] removes the virtual servers
+//!   and the link. Unlike a DNAT binding in conntrack, IPVS's binding lives in its own connection
+//!   table, which packets stop reaching once the addresses are gone: leaving IPVS ends the
+//!   connections it still serves at Cleaning (connections through nftables/iptables survive
+//!   both directions).
+//! - Node-local clients: IPVS's LOCAL_OUT hook runs after nat OUTPUT, so an active
+//!   nftables/iptables backend takes them first; a bypassed IPVS backend alone would still
+//!   schedule a node-local connection (filter OUTPUT runs after IPVS has rewritten it, and
+//!   nothing before nat OUTPUT may drop it without also breaking the other backend).
+//! - Un-bypassing is one step and opens every entry point; the state survives later syncs (full
+//!   syncs bring the jump rules to it in the same restore that rewrites the chains).
+//!
+//! Hence both directions of a switch with nftables or iptables are make-before-break with the
+//! driver's order (un-bypass new, then bypass old): *to* IPVS, its virtual servers and bound
+//! addresses are in place while the old backend still DNATs every new connection, and new
+//! connections fall through to IPVS the moment the old one is bypassed; *from* IPVS, the new
+//! backend's DNAT takes new connections as soon as it is un-bypassed, before IPVS is bypassed.
+//! Measured with traffic in the VM tier (`vm_k_*`: the switch driver under a client load).
 
 pub mod render;
 
@@ -37,7 +84,7 @@ use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
 use crate::sys::ipvs::{Destination, Ipvs, IpvsError, Op, ServiceKey, VirtualAddr};
 use crate::sys::{ipset, link};
 
-use render::{Desired, JUMP_COMMENT, JUMPS, LINK};
+use render::{Desired, JumpEdits, LINK};
 
 const BACKEND: &str = "ipvs";
 
@@ -110,7 +157,13 @@ pub struct IpvsBackend {
     bound: BTreeSet<Ipv4Addr>,
     /// Node addresses NodePorts were programmed on.
     node_port_ips: Vec<Ipv4Addr>,
+    /// Rules per (table is nat, chain) written by the last successful sync.
+    rules: BTreeMap<(bool, &'static str), usize>,
     needs_full: bool,
+    /// Entry points off (see the module doc).
+    bypassed: bool,
+    /// Our chains were written since the last cleanup (jump rules may reference them).
+    programmed: bool,
 }
 
 impl IpvsBackend {
@@ -125,8 +178,16 @@ impl IpvsBackend {
             sets: BTreeMap::new(),
             bound: BTreeSet::new(),
             node_port_ips: Vec::new(),
+            rules: BTreeMap::new(),
             needs_full: true,
+            bypassed: false,
+            programmed: false,
         }
+    }
+
+    /// Whether the entry points are off.
+    pub fn bypassed(&self) -> bool {
+        self.bypassed
     }
 
     /// The settings it renders with.
@@ -201,19 +262,11 @@ impl IpvsBackend {
         Ok(())
     }
 
-    fn ensure_jumps(&self) -> Result<usize, BackendError> {
-        let mut inserted = 0;
-        for (nat, chain, target) in JUMPS.iter().rev() {
-            let table = if *nat { Table::Nat } else { Table::Filter };
-            if self
-                .ipt
-                .ensure_rule(table, chain, &jump_spec(target))
-                .map_err(ipt_err)?
-            {
-                inserted += 1;
-            }
-        }
-        Ok(inserted)
+    /// The jump rule edits that bring the kernel to the current bypass state.
+    fn jump_edits(&self) -> Result<JumpEdits, BackendError> {
+        let filter = self.ipt.save(Table::Filter).map_err(ipt_err)?;
+        let nat = self.ipt.save(Table::Nat).map_err(ipt_err)?;
+        Ok(JumpEdits::compute(self.bypassed, &filter, &nat))
     }
 
     /// Whether kernel virtual server `v` is ours (see the module doc).
@@ -254,12 +307,22 @@ impl IpvsBackend {
         ipset::restore(&changed).map_err(|e| cmd_err("ipset restore")(e.to_string()))?;
         objects += changed.iter().map(|s| s.entries.len() + 1).sum::<usize>();
 
-        // iptables: the chains are small and fixed; rewrite them every sync.
-        self.ipt.restore(&desired.restore_input()).map_err(ipt_err)?;
-        objects += desired.filter.rule_count() + desired.nat.rule_count();
-        if full {
-            objects += self.ensure_jumps()?;
-        }
+        // iptables: the chains are small and fixed; rewrite them every sync (with the jump rules
+        // on full syncs, in the same commits).
+        let jumps = if full {
+            self.jump_edits()?
+        } else {
+            JumpEdits::default()
+        };
+        self.ipt
+            .restore(&desired.restore_input_with(&jumps))
+            .map_err(ipt_err)?;
+        self.programmed = true;
+        objects += desired.filter.rule_count() + desired.nat.rule_count() + jumps.len();
+        self.rules = [(false, &desired.filter), (true, &desired.nat)]
+            .into_iter()
+            .flat_map(|(nat, t)| t.chains.iter().map(move |(c, r)| ((nat, *c), r.len())))
+            .collect();
 
         // Addresses: bind new ones first.
         let linked = if full {
@@ -420,6 +483,114 @@ impl IpvsBackend {
         Ok(())
     }
 
+    /// Differences between the kernel and the last sync (see [`Backend::verify`]).
+    fn drift(&self) -> Result<Vec<String>, BackendError> {
+        let mut drift = Vec::new();
+        if !self.programmed || self.needs_full {
+            drift.push("not programmed (the last sync did not succeed)".to_owned());
+            return Ok(drift);
+        }
+        // The link and its addresses.
+        if !link::exists(LINK).map_err(|e| cmd_err("ip link")(e.to_string()))? {
+            drift.push(format!("link {LINK} is missing"));
+        }
+        let linked = link::addresses(LINK).map_err(|e| cmd_err("ip addr")(e.to_string()))?;
+        diff_sets(&mut drift, &format!("address on {LINK}"), &self.bound, &linked);
+
+        // ipsets, from one `ipset save`.
+        let kernel_sets =
+            ipset::save_all(ipset::SET_PREFIX).map_err(|e| cmd_err("ipset save")(e.to_string()))?;
+        for (name, spec) in &self.sets {
+            match kernel_sets.get(name) {
+                None => drift.push(format!("ipset {name} is missing")),
+                Some(entries) => diff_sets(
+                    &mut drift,
+                    &format!("entry of ipset {name}"),
+                    &spec.entries,
+                    entries,
+                ),
+            }
+        }
+
+        // iptables: our chains with their rule counts, and the jump rules of the bypass state.
+        for table in [Table::Filter, Table::Nat] {
+            let nat = table == Table::Nat;
+            let save = self.ipt.save(table).map_err(ipt_err)?;
+            for ((_, chain), want) in self.rules.iter().filter(|((n, _), _)| *n == nat) {
+                let declared = format!(":{chain} ");
+                let prefix = format!("-A {chain} ");
+                if !save.lines().any(|l| l.starts_with(&declared)) {
+                    drift.push(format!("chain {chain} ({}) is missing", table.as_str()));
+                    continue;
+                }
+                let have = save.lines().filter(|l| l.starts_with(&prefix)).count();
+                if have != *want {
+                    drift.push(format!("chain {chain} has {have} rules, want {want}"));
+                }
+            }
+            let (filter, nat_save) = if nat {
+                ("", save.as_str())
+            } else {
+                (save.as_str(), "")
+            };
+            let edits = JumpEdits::compute(self.bypassed, filter, nat_save);
+            for line in if nat { &edits.nat } else { &edits.filter } {
+                drift.push(format!(
+                    "jump rule to fix ({}, bypassed={}): {line}",
+                    table.as_str(),
+                    self.bypassed
+                ));
+            }
+        }
+
+        // IPVS: our virtual servers and their real servers.
+        let mut ipvs = Ipvs::open()?;
+        let node_ips = self.node_port_ips.clone();
+        let empty = Desired::default();
+        let mut kernel = BTreeMap::new();
+        for (key, svc) in ipvs.services()? {
+            if let (ServiceKey::Addr(v), Some(svc)) = (key, svc)
+                && self.owns(&v, &empty, &linked, &node_ips)
+            {
+                kernel.insert(v, svc);
+            }
+        }
+        for key in kernel.keys().filter(|k| !self.applied.contains_key(k)) {
+            drift.push(format!("virtual server {key:?} is not ours to keep"));
+        }
+        for (key, (service, reals)) in &self.applied {
+            let Some(current) = kernel.get(key) else {
+                drift.push(format!("virtual server {key:?} is missing"));
+                continue;
+            };
+            if current != service {
+                drift.push(format!("virtual server {key:?} is {current:?}, want {service:?}"));
+            }
+            let mut want: BTreeSet<(IpAddr, u16, u32)> = reals
+                .iter()
+                .map(|(ip, port)| (IpAddr::V4(*ip), *port, 1))
+                .collect();
+            want.extend(
+                self.terminating
+                    .iter()
+                    .filter(|(v, _, _)| v == key)
+                    .map(|(_, ip, port)| (*ip, *port, 0)),
+            );
+            let have: BTreeSet<(IpAddr, u16, u32)> = ipvs
+                .destinations(key)?
+                .into_iter()
+                .map(|d| (d.addr, d.port, d.weight))
+                .collect();
+            diff_sets(
+                &mut drift,
+                &format!("real server (addr, port, weight) of {key:?}"),
+                &want,
+                &have,
+            );
+        }
+        Ok(drift)
+    }
+
     fn cleanup_iptables(&self) -> Result<(), BackendError> {
         for table in [Table::Filter, Table::Nat] {
             let save = match self.ipt.save(table) {
@@ -428,40 +599,57 @@ impl IpvsBackend {
                 Err(IptablesError::Spawn { .. }) => continue,
                 Err(e) => return Err(ipt_err(e)),
             };
-            let ours: BTreeSet<String> = save
-                .lines()
-                .filter_map(|l| l.strip_prefix(':'))
-                .filter_map(|l| l.split_whitespace().next())
-                .filter(|c| c.starts_with(render::CHAIN_PREFIX))
-                .map(str::to_owned)
-                .collect();
-            if ours.is_empty() {
+            let Some(input) = render::cleanup_input(table == Table::Nat, &save) else {
+                continue;
+            };
+            // One restore: the jump rules as iptables-save printed them, then our chains.
+            if self.ipt.restore(&input).is_ok() {
                 continue;
             }
-            for (nat, chain, target) in JUMPS {
-                if nat == (table == Table::Nat) && ours.contains(target) {
-                    self.ipt
-                        .remove_rule(table, chain, &jump_spec(target))
-                        .map_err(ipt_err)?;
+            // A jump rule in another spelling: remove the jumps one by one (`iptables -C/-D`).
+            for jump in render::all_jumps() {
+                if jump.nat == (table == Table::Nat) {
+                    let declared = format!(":{} ", jump.target);
+                    if save.lines().any(|l| l.starts_with(&declared)) {
+                        self.ipt
+                            .remove_rule(table, jump.chain, &jump.spec())
+                            .map_err(ipt_err)?;
+                    }
                 }
             }
-            let mut input = format!("*{}\n", table.as_str());
-            for c in &ours {
-                input.push_str(&format!(":{c} - [0:0]\n"));
+            let save = self.ipt.save(table).map_err(ipt_err)?;
+            if let Some(input) = render::cleanup_input(table == Table::Nat, &save) {
+                self.ipt.restore(&input).map_err(ipt_err)?;
             }
-            for c in &ours {
-                input.push_str(&format!("-X {c}\n"));
-            }
-            input.push_str("COMMIT\n");
-            self.ipt.restore(&input).map_err(ipt_err)?;
         }
         Ok(())
     }
 }
 
-/// The arguments of a jump rule into `target`.
-fn jump_spec(target: &'static str) -> Vec<&'static str> {
-    vec!["-m", "comment", "--comment", JUMP_COMMENT, "-j", target]
+/// Appends "missing"/"unexpected" lines for the differences between `want` and `have` (at most
+/// a few each, with the total).
+fn diff_sets<T: Ord + std::fmt::Debug>(
+    drift: &mut Vec<String>,
+    what: &str,
+    want: &BTreeSet<T>,
+    have: &BTreeSet<T>,
+) {
+    const SHOWN: usize = 3;
+    for (label, list) in [
+        ("missing", want.difference(have).collect::<Vec<_>>()),
+        ("unexpected", have.difference(want).collect::<Vec<_>>()),
+    ] {
+        if !list.is_empty() {
+            let shown: Vec<String> = list.iter().take(SHOWN).map(|x| format!("{x:?}")).collect();
+            let more = list.len().saturating_sub(SHOWN);
+            let tail = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            drift.push(format!("{label} {what}: {}{tail}", shown.join(", ")));
+        }
+    }
 }
 
 impl Backend for IpvsBackend {
@@ -484,6 +672,8 @@ impl Backend for IpvsBackend {
 
     fn cleanup(&mut self) -> Result<(), BackendError> {
         self.needs_full = true;
+        self.programmed = false;
+        self.rules.clear();
         self.applied.clear();
         self.terminating.clear();
         self.sets.clear();
@@ -518,5 +708,27 @@ impl Backend for IpvsBackend {
             .node_port_addresses()
             .unwrap_or_else(|_| self.settings.node.addresses.clone());
         render::render(snapshot, &self.settings, &ips).text()
+    }
+
+    /// See the module doc: toggles only the jump rules (one `iptables-restore`); virtual
+    /// servers, sets, chains and bound addresses stay. Before the first sync it only records the
+    /// state, which that sync then programs.
+    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
+        self.bypassed = bypassed;
+        if !self.programmed {
+            return Ok(());
+        }
+        let edits = self.jump_edits()?;
+        if edits.is_empty() {
+            return Ok(());
+        }
+        self.ipt.restore(&edits.restore_input(bypassed)).map_err(ipt_err)
+    }
+
+    /// Reads back the link addresses, ipsets (one `ipset save`), our chains' rule counts, the
+    /// jump rules (against the bypass state) and our virtual and real servers (one dump per
+    /// virtual server), and lists every difference from the last sync.
+    fn verify(&self) -> Result<Vec<String>, BackendError> {
+        self.drift()
     }
 }

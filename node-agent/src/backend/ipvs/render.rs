@@ -47,6 +47,10 @@ pub const FIREWALL: &str = "SWY-IPVS-FIREWALL";
 pub const SOURCE_RANGES: &str = "SWY-IPVS-SRC-RANGES";
 /// filter: reject new connections to service addresses on non-service ports (from INPUT).
 pub const FILTER: &str = "SWY-IPVS-FILTER";
+/// filter: while the backend is bypassed, the only chain jumped to (from INPUT): rejects new
+/// connections to every IPVS destination (service addresses, external and load-balancer
+/// addresses, node ports) before IPVS sees them in LOCAL_IN.
+pub const BYPASS: &str = "SWY-IPVS-BYPASS";
 
 /// Sets (name, type and create options), in the order they are created.
 pub const SETS: [(&str, &str); 16] = [
@@ -140,6 +144,169 @@ pub const JUMPS: [(bool, &str, &str); 8] = [
 /// The comment of every jump rule (so cleanup finds exactly ours).
 pub const JUMP_COMMENT: &str = "switchyard IPVS mode";
 
+/// The jump from filter INPUT into [`BYPASS`], present only while the backend is bypassed
+/// (instead of every jump in [`JUMPS`]).
+pub const BYPASS_JUMP: (bool, &str, &str) = (false, "INPUT", BYPASS);
+
+/// The comment of the bypass jump.
+pub const BYPASS_COMMENT: &str = "switchyard IPVS mode bypassed";
+
+/// A jump rule from a built-in chain into one of ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Jump {
+    /// In table nat (else filter).
+    pub nat: bool,
+    /// The built-in chain.
+    pub chain: &'static str,
+    /// Our chain.
+    pub target: &'static str,
+    /// Its comment.
+    pub comment: &'static str,
+    /// Present while bypassed (the bypass jump) or while not (every other one).
+    pub when_bypassed: bool,
+}
+
+impl Jump {
+    /// The rule as `iptables` arguments after the chain (`-m comment --comment C -j TARGET`).
+    pub fn spec(&self) -> Vec<&'static str> {
+        vec!["-m", "comment", "--comment", self.comment, "-j", self.target]
+    }
+
+    /// The rule as `iptables-save` prints it, with `op` (`-A CHAIN`, `-D CHAIN`, `-I CHAIN 1`)
+    /// in front.
+    pub fn line(&self, op: &str) -> String {
+        format!(
+            "{op} -m comment --comment {} -j {}",
+            crate::backend::iptables::render::save_string(self.comment),
+            self.target
+        )
+    }
+}
+
+/// Every jump rule of IPVS mode: [`JUMPS`] in order, then [`BYPASS_JUMP`].
+pub fn all_jumps() -> Vec<Jump> {
+    let normal = JUMPS.iter().map(|(nat, chain, target)| Jump {
+        nat: *nat,
+        chain,
+        target,
+        comment: JUMP_COMMENT,
+        when_bypassed: false,
+    });
+    let (nat, chain, target) = BYPASS_JUMP;
+    normal
+        .chain(std::iter::once(Jump {
+            nat,
+            chain,
+            target,
+            comment: BYPASS_COMMENT,
+            when_bypassed: true,
+        }))
+        .collect()
+}
+
+/// `iptables-restore --noflush` input that removes everything of IPVS mode from one table, given
+/// its `iptables-save` output: our `SWY-IPVS-*` chains are declared (flushed), every copy of our
+/// jump rules is deleted, then the chains are deleted (`-X`), all in one commit. `None` when
+/// the table holds none of our chains. Pure.
+pub fn cleanup_input(nat: bool, save: &str) -> Option<String> {
+    let ours: BTreeSet<&str> = save
+        .lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| c.starts_with(CHAIN_PREFIX))
+        .collect();
+    if ours.is_empty() {
+        return None;
+    }
+    let table = if nat { "nat" } else { "filter" };
+    let mut out = format!("*{table}\n");
+    for c in &ours {
+        out.push_str(&format!(":{c} - [0:0]\n"));
+    }
+    for jump in all_jumps().iter().filter(|j| j.nat == nat) {
+        let present = jump.line(&format!("-A {}", jump.chain));
+        for _ in save.lines().filter(|l| l.trim_end() == present) {
+            out.push_str(&jump.line(&format!("-D {}", jump.chain)));
+            out.push('\n');
+        }
+    }
+    for c in &ours {
+        out.push_str(&format!("-X {c}\n"));
+    }
+    out.push_str("COMMIT\n");
+    Some(out)
+}
+
+/// `iptables-restore --noflush` lines that bring the jump rules of one bypass state about, per
+/// table: `-I CHAIN 1 ...` for a missing wanted jump (in reverse order, so [`JUMPS`]' order ends
+/// up at the top of each built-in chain) and one `-D CHAIN ...` per copy of an unwanted one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JumpEdits {
+    /// filter table lines.
+    pub filter: Vec<String>,
+    /// nat table lines.
+    pub nat: Vec<String>,
+}
+
+impl JumpEdits {
+    /// The edits that move the kernel (as `iptables-save -t filter` / `-t nat` print it) to
+    /// `bypassed`. Pure.
+    pub fn compute(bypassed: bool, filter_save: &str, nat_save: &str) -> Self {
+        let mut edits = Self::default();
+        for jump in all_jumps().iter().rev() {
+            let (save, out) = if jump.nat {
+                (nat_save, &mut edits.nat)
+            } else {
+                (filter_save, &mut edits.filter)
+            };
+            let present = jump.line(&format!("-A {}", jump.chain));
+            let copies = save.lines().filter(|l| l.trim_end() == present).count();
+            if jump.when_bypassed == bypassed {
+                if copies == 0 {
+                    out.push(jump.line(&format!("-I {} 1", jump.chain)));
+                }
+            } else {
+                for _ in 0..copies {
+                    out.push(jump.line(&format!("-D {}", jump.chain)));
+                }
+            }
+        }
+        edits
+    }
+
+    /// Whether nothing changes.
+    pub fn is_empty(&self) -> bool {
+        self.filter.is_empty() && self.nat.is_empty()
+    }
+
+    /// Number of edited rules.
+    pub fn len(&self) -> usize {
+        self.filter.len() + self.nat.len()
+    }
+
+    /// Restore input with only these edits (no chain declarations: with `--noflush` nothing
+    /// else changes). Each table commits atomically on its own, so the order matters:
+    /// `closing` (entering the bypass) commits filter first, which starts rejecting new
+    /// connections at once, then nat; opening commits nat first (masquerade marks in place),
+    /// then filter, which lets new connections through to IPVS last.
+    pub fn restore_input(&self, closing: bool) -> String {
+        let table = |name: &str, lines: &[String]| {
+            if lines.is_empty() {
+                return String::new();
+            }
+            let mut out = format!("*{name}\n");
+            for l in lines {
+                out.push_str(l);
+                out.push('\n');
+            }
+            out.push_str("COMMIT\n");
+            out
+        };
+        let (filter, nat) = (table("filter", &self.filter), table("nat", &self.nat));
+        if closing { filter + &nat } else { nat + &filter }
+    }
+}
+
 /// One virtual server with its real servers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VirtualServer {
@@ -171,6 +338,12 @@ impl Chains {
 
     /// `*table ... COMMIT`, flushing and rewriting our chains; `delete` adds `-X` for each.
     pub fn write(&self, table: &str, delete: bool, out: &mut String) {
+        self.write_with(table, delete, &[], out);
+    }
+
+    /// Like [`Chains::write`], with `extra` lines (jump rule edits in built-in chains) before
+    /// the `COMMIT`, so they land in the same atomic table commit.
+    pub fn write_with(&self, table: &str, delete: bool, extra: &[String], out: &mut String) {
         out.push_str(&format!("*{table}\n"));
         for chain in self.chains.keys() {
             out.push_str(&format!(":{chain} - [0:0]\n"));
@@ -184,6 +357,10 @@ impl Chains {
                 out.push_str(rule);
                 out.push('\n');
             }
+        }
+        for line in extra {
+            out.push_str(line);
+            out.push('\n');
         }
         out.push_str("COMMIT\n");
     }
@@ -211,9 +388,14 @@ pub struct Desired {
 impl Desired {
     /// `iptables-restore --noflush` input writing our chains.
     pub fn restore_input(&self) -> String {
+        self.restore_input_with(&JumpEdits::default())
+    }
+
+    /// [`Desired::restore_input`] plus jump rule edits, each in its table's commit.
+    pub fn restore_input_with(&self, jumps: &JumpEdits) -> String {
         let mut out = String::new();
-        self.filter.write("filter", false, &mut out);
-        self.nat.write("nat", false, &mut out);
+        self.filter.write_with("filter", false, &jumps.filter, &mut out);
+        self.nat.write_with("nat", false, &jumps.nat, &mut out);
         out
     }
 
@@ -672,4 +854,38 @@ fn rules(d: &mut Desired, settings: &Settings) {
             comment("switchyard service addresses on non-service ports")
         ),
     );
+
+    // The bypass: only new connections are refused, so connections IPVS already serves keep
+    // reaching it (their addresses stay bound) until the backend is cleaned up.
+    let reject = format!(
+        "{} -j REJECT --reject-with icmp-port-unreachable",
+        comment("switchyard IPVS mode bypassed")
+    );
+    let new = "-m conntrack --ctstate NEW";
+    filter.add(
+        BYPASS,
+        format!("{new} -m set --match-set {IPVS_IPS} dst {reject}"),
+    );
+    for name in [EXTERNAL_IP, EXTERNAL_IP_LOCAL, LB] {
+        filter.add(
+            BYPASS,
+            format!("{new} -m set --match-set {name} dst,dst {reject}"),
+        );
+    }
+    let node_dsts: Vec<String> = match &settings.node_port_addresses {
+        None => vec!["-m addrtype --dst-type LOCAL".to_owned()],
+        Some(addresses) => addresses.iter().map(|ip| format!("-d {ip}/32")).collect(),
+    };
+    for dst in &node_dsts {
+        for (p, set, dir) in [
+            ("tcp", NODE_PORT_TCP, "dst"),
+            ("udp", NODE_PORT_UDP, "dst"),
+            ("sctp", NODE_PORT_SCTP, "dst,dst"),
+        ] {
+            filter.add(
+                BYPASS,
+                format!("{dst} -p {p} {new} -m set --match-set {set} {dir} {reject}"),
+            );
+        }
+    }
 }
