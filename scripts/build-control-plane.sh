@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds etcd and kube-apiserver with Go from the Go module registry into a cache
+# Builds etcd, kube-apiserver, kubectl and helm with Go from the Go module registry into a cache
 # directory outside git (default ~/.cache/switchyard), reusing binaries already built.
-# Prints the bin directory on its last line of stdout.
+# Prints the bin directory on its last line of stdout (helm is linked into it as `helm`).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
@@ -10,6 +10,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 cache=${SWITCHYARD_CACHE:-$HOME/.cache/switchyard}
 # Bump RECIPE when the way binaries are built changes, so caches rebuild.
 RECIPE=2
+# Same for helm (bumping it rebuilds only helm).
+HELM_RECIPE=1
 bin="$cache/bin/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-r$RECIPE"
 mkdir -p "$bin"
 
@@ -70,6 +72,38 @@ build_kube() {
   done
 }
 
+build_helm() {
+  # helm lives in a directory of its own version and is linked into $bin, so bumping HELM_VERSION
+  # rebuilds only helm, not the (slow) control plane.
+  local hbin="$cache/bin/helm-$HELM_VERSION-r$HELM_RECIPE" dir="$cache/gobuild/helm-$HELM_VERSION"
+  local out="$hbin/helm"
+  if [ ! -x "$out" ]; then
+    log "building helm $HELM_VERSION (cold build: a few minutes)"
+    mkdir -p "$dir" "$hbin"
+    cat > "$dir/go.mod" <<MOD
+module switchyard.local/helm
+go 1.25
+require helm.sh/helm/${HELM_VERSION%%.*} $HELM_VERSION
+MOD
+    (cd "$dir" && go mod download "helm.sh/helm/${HELM_VERSION%%.*}" >"$dir/download.log" 2>&1) || fail_registry "helm.sh/helm/${HELM_VERSION%%.*}@$HELM_VERSION" "$dir/download.log"
+    local pkg="helm.sh/helm/${HELM_VERSION%%.*}" ldflags client_go major minor
+    # As helm's Makefile does: the default Kubernetes version of `helm template`/`lint` follows the
+    # client-go helm was built with (client-go v0.N is Kubernetes v1.N).
+    client_go=$(cd "$dir" && go list -f '{{.Version}}' -m k8s.io/client-go 2>>"$dir/download.log") || fail_registry "helm's k8s.io/client-go" "$dir/download.log"
+    client_go=${client_go#v}; major=$(( ${client_go%%.*} + 1 )); minor=${client_go#*.}; minor=${minor%%.*}
+    ldflags="-s -w -X $pkg/internal/version.version=$HELM_VERSION"
+    for v in lint/rules chartutil; do
+      ldflags="$ldflags -X $pkg/pkg/$v.k8sVersionMajor=$major -X $pkg/pkg/$v.k8sVersionMinor=$minor"
+    done
+    (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$out.tmp" "$pkg/cmd/helm" >"$dir/build.log" 2>&1) \
+      || { echo "switchyard: cannot build helm $HELM_VERSION with $(go version | cut -d' ' -f3): see $dir/build.log" >&2; exit 1; }
+    mv "$out.tmp" "$out"
+    log "helm ready: $out"
+  fi
+  [ "$(readlink "$bin/helm" 2>/dev/null)" = "$out" ] || ln -sfn "$out" "$bin/helm"
+}
+
 build_etcd
 build_kube
+build_helm
 echo "$bin"

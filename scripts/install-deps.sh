@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what Switchyard's demo and tests need on a fresh Debian machine (idempotent):
-# kernel userspace tools from apt, then the Go-built control plane (cached outside git).
+# kernel userspace tools from apt (and lua5.1, which runs the Argo CD health checks in tests),
+# then the Go-built control plane and helm (cached outside git).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
 need=()
-for tool in nft:nftables iptables-legacy:iptables iptables-nft:iptables ipset:ipset ip:iproute2 conntrack:conntrack sysctl:procps; do
+for tool in nft:nftables iptables-legacy:iptables iptables-nft:iptables ipset:ipset ip:iproute2 conntrack:conntrack sysctl:procps lua5.1:lua5.1; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool#*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -260,10 +260,10 @@ impl ControlPlane {
         }
     }
 
-    /// Installs the CRDs from `config/crd` and waits until they are established.
+    /// Installs the CRDs from the kustomize base `config/crd` and waits until they are established.
     pub fn install_crds(&self) -> Result<()> {
         let dir = binaries::workspace_root().join("config/crd");
-        self.kubectl_ok(&["apply", "--server-side", "-f", &dir.display().to_string()], None)?;
+        self.kubectl_ok(&["apply", "--server-side", "-k", &dir.display().to_string()], None)?;
         self.kubectl_ok(
             &[
                 "wait",

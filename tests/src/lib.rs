@@ -11,6 +11,7 @@ pub mod objects;
 pub mod operator;
 pub mod pki;
 pub mod sweep;
+pub mod tools;
 pub mod traffic;
 
 use std::time::{Duration, Instant};

@@ -31,9 +31,19 @@ pub struct Operator {
 impl Operator {
     /// Starts a replica named `identity` with short leases (6 s, renewed 2 s before expiry).
     pub async fn start(cp: &ControlPlane, identity: &str, extra_args: &[&str]) -> Result<Self> {
-        let token = cp
-            .service_account_token(SYSTEM_NAMESPACE, "switchyard-operator", None)
-            .await?;
+        Self::start_as(cp, SYSTEM_NAMESPACE, "switchyard-operator", identity, extra_args).await
+    }
+
+    /// Like [`Operator::start`], as service account `account` of `namespace` (which also holds the
+    /// Lease), e.g. the service account a Helm release created.
+    pub async fn start_as(
+        cp: &ControlPlane,
+        namespace: &str,
+        account: &str,
+        identity: &str,
+        extra_args: &[&str],
+    ) -> Result<Self> {
+        let token = cp.service_account_token(namespace, account, None).await?;
         let kubeconfig = cp.write_kubeconfig(
             &format!("operator-{identity}"),
             &format!("https://127.0.0.1:{}", cp.port),
@@ -49,7 +59,7 @@ impl Operator {
         let child = Command::new(binaries::workspace_bin("switchyard-operator")?)
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .args(["--namespace", SYSTEM_NAMESPACE, "--identity", identity])
+            .args(["--namespace", namespace, "--identity", identity])
             .args(["--lease-duration-seconds", "6", "--lease-grace-seconds", "2"])
             .args(["--healthz-bind-address", &format!("127.0.0.1:{port}")])
             .args(extra_args)

@@ -10,6 +10,7 @@
 //!   `capabilities.supportedModes`; otherwise the node is `Incompatible` and left alone;
 //! - **waves** ([`waves`]): stable assignment, explicit selectors first, then hash order;
 //! - **gates**, for the first wave that is not complete: `paused` (dry run: the plan is still shown),
+//!   a manual rollback (`switchyard.dev/rollback: "<generation>"`, see [`ROLLBACK_ANNOTATION`]),
 //!   failure budget (`maxFailures`, then `failurePolicy` pause or rollback), approval
 //!   (`approve.switchyard.dev/<wave>: "<generation>"`), maintenance window ([`window`]), and
 //!   `maxUnavailable` (switching, unknown and unhealthy nodes all count); a healthy wave then soaks
@@ -46,6 +47,13 @@ use selector::Selector;
 /// Annotation prefix approving a wave: `approve.switchyard.dev/<wave>: "<generation>"`.
 pub const APPROVE_PREFIX: &str = "approve.switchyard.dev/";
 
+/// Annotation requesting a manual rollback: `switchyard.dev/rollback: "<generation>"`. For that
+/// generation of the policy the operator returns every node this rollout switched to its previous
+/// mode (as `failurePolicy: rollback` does after a failure) and starts nothing new; the policy then
+/// reports phase Paused. A new spec (a new generation) makes the annotation stale, so the rollout
+/// resumes only when someone changes the spec.
+pub const ROLLBACK_ANNOTATION: &str = "switchyard.dev/rollback";
+
 /// Condition types the operator sets on a ProxyPolicy.
 pub mod conditions {
     /// Every governed node runs the mode and is healthy.
@@ -75,6 +83,9 @@ pub struct PolicyInput {
     pub spec: ProxyPolicySpec,
     /// Approval annotations: wave name → annotation value.
     pub approvals: BTreeMap<String, String>,
+    /// Value of the [`ROLLBACK_ANNOTATION`] annotation, if any (honoured only when it names
+    /// `generation`).
+    pub rollback: Option<String>,
     /// The status last written (previous plan): wave timestamps, pinned wave membership, and the
     /// baseline for transition events.
     pub status: Option<ProxyPolicyStatus>,
@@ -99,6 +110,12 @@ impl PolicyInput {
             generation: policy.metadata.generation.unwrap_or(0),
             spec: policy.spec.clone(),
             approvals,
+            rollback: policy
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ROLLBACK_ANNOTATION))
+                .cloned(),
             status: policy.status.clone(),
         }
     }

@@ -241,6 +241,8 @@ enum Hold {
     Budget,
     Approval { stale: Option<String> },
     Window(String),
+    /// A manual rollback of this generation was requested.
+    Rollback,
 }
 
 struct WaveRun {
@@ -313,7 +315,12 @@ pub(super) fn plan_policy(
         .collect();
     let max_failures = p.spec.rollout.max_failures as usize;
     let exceeded = failed.len() > max_failures;
-    let rollback = exceeded && p.spec.rollout.failure_policy == FailurePolicy::Rollback;
+    // A manual rollback: the annotation names this generation.
+    let manual = p
+        .rollback
+        .as_deref()
+        .is_some_and(|v| v.trim().parse::<i64>().ok() == Some(g));
+    let rollback = (exceeded && p.spec.rollout.failure_policy == FailurePolicy::Rollback) || manual;
     if rollback {
         for v in views.iter_mut() {
             let candidate = match v.state {
@@ -405,6 +412,8 @@ pub(super) fn plan_policy(
         let approved = approval.is_some_and(|v| v.trim().parse::<i64>().ok() == Some(g));
         hold = if exceeded {
             Hold::Budget
+        } else if manual {
+            Hold::Rollback
         } else if p.spec.rollout.paused {
             Hold::SpecPaused
         } else if def.require_approval && !approved {
@@ -447,6 +456,8 @@ pub(super) fn plan_policy(
         let state = match &hold {
             Hold::Budget if rollback => WaveState::RolledBack,
             Hold::Budget => WaveState::Failed,
+            Hold::Rollback if rolled => WaveState::RolledBack,
+            Hold::Rollback => WaveState::Pending,
             Hold::Approval { .. } => WaveState::AwaitingApproval,
             _ if started || !admitted.is_empty() => WaveState::Progressing,
             _ => WaveState::Pending,
@@ -601,6 +612,18 @@ pub(super) fn plan_policy(
             PolicyPhase::Pending,
             "spec.nodeSelector selects no node that this policy governs; nothing to roll out".to_owned(),
         )
+    } else if rollback && rolling_back && manual && !exceeded {
+        let n = views
+            .iter()
+            .filter(|v| v.roll_back || v.state == NodeState::RollingBack)
+            .count();
+        (
+            PolicyPhase::RollingBack,
+            format!(
+                "rollback requested ({}={g}): returning {n} node(s) this rollout switched to their previous mode",
+                super::ROLLBACK_ANNOTATION
+            ),
+        )
     } else if rollback && rolling_back {
         let n = views
             .iter()
@@ -686,6 +709,14 @@ pub(super) fn plan_policy(
             Hold::Window(why) => (
                 PolicyPhase::WaitingForWindow,
                 format!("wave {name} waits: {why}; switches start only inside the window"),
+            ),
+            Hold::Rollback => (
+                PolicyPhase::Paused,
+                format!(
+                    "rolled back on request ({}={g}): the nodes this rollout switched run their previous mode again and nothing new switches; to roll out again, change the spec (a new generation), e.g. kubectl switchyard resume {}",
+                    super::ROLLBACK_ANNOTATION,
+                    p.name
+                ),
             ),
             Hold::Budget | Hold::None => {
                 let members = &assignment[w];
@@ -793,6 +824,7 @@ pub(super) fn plan_policy(
                 "NotPaused",
                 "the rollout is not paused".into(),
             ),
+            (Hold::Rollback, _) => condition(cond::PAUSED, true, "RollbackRequested", message.clone()),
             _ if p.spec.rollout.paused => condition(cond::PAUSED, true, "SpecPaused", message.clone()),
             (Hold::Budget, _) => condition(cond::PAUSED, true, "FailureBudgetSpent", message.clone()),
             (Hold::Approval { .. }, _) => condition(cond::PAUSED, true, "AwaitingApproval", message.clone()),

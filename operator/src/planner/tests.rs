@@ -52,6 +52,7 @@ fn policy(name: &str, spec: serde_json::Value) -> PolicyInput {
         generation: 1,
         spec,
         approvals: BTreeMap::new(),
+        rollback: None,
         status: None,
     }
 }
@@ -923,4 +924,83 @@ fn empty_selection_is_pending() {
     sim.step();
     assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Pending));
     assert!(sim.pp("p").writes.is_empty());
+}
+
+#[test]
+fn manual_rollback_returns_switched_nodes_until_the_spec_changes() {
+    let spec = json!({"nodeSelector": {}, "mode": "nftables", "rollout": {"maxUnavailable": 2,
+        "waves": [{"name": "canary", "nodes": 1}, {"name": "rest", "nodes": "100%"}]}});
+    let mut sim = Sim::new(vec![policy("p", spec)], 4, IPT);
+    sim.step();
+    sim.agents();
+    sim.step(); // canary done, rest admits two
+    sim.agents();
+    sim.step();
+    let switched: Vec<String> = sim
+        .nodes
+        .iter()
+        .filter(|n| sim.active(&n.name) == Some(NFT))
+        .map(|n| n.name.clone())
+        .collect();
+    assert_eq!(switched.len(), 3, "canary and two of the rest switched");
+    // A stale rollback annotation (another generation) is ignored.
+    sim.policies[0].rollback = Some("7".into());
+    sim.step();
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Progressing));
+    // Switched or switching now: every node asked for nftables.
+    let released: Vec<String> = sim
+        .proxies
+        .values()
+        .filter(|np| np.spec.desired_mode == Some(NFT))
+        .map(|np| np.name.clone())
+        .collect();
+    assert_eq!(released.len(), 4, "the last node is switching");
+    // The annotation for the current generation rolls the switched nodes back.
+    sim.policies[0].rollback = Some("1".into());
+    sim.step();
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::RollingBack), "{:?}", pp.status);
+    assert!(
+        pp.status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Progressing" && c.reason == "RollingBack")
+    );
+    let rolled: BTreeSet<&str> = pp
+        .writes
+        .iter()
+        .filter(|w| w.spec.rollout_token.as_deref() == Some("p-g1-rollback-iptables"))
+        .map(|w| w.node.as_str())
+        .collect();
+    assert_eq!(
+        rolled,
+        released.iter().map(String::as_str).collect(),
+        "{:?}",
+        pp.writes
+    );
+    assert!(
+        pp.writes.iter().all(|w| w.spec.desired_mode == Some(IPT)),
+        "nothing new switches"
+    );
+    assert!(sim.event_reasons().contains(&EventReason::RolledBack));
+    sim.agents();
+    sim.step();
+    sim.step();
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Paused), "{:?}", pp.status);
+    let (status, reason, message) = sim.condition("p", "Paused");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "RollbackRequested"),
+        "{message}"
+    );
+    assert_eq!(sim.condition("p", "Degraded").0, "False");
+    assert!(sim.nodes.iter().all(|n| sim.active(&n.name) == Some(IPT)));
+    assert!(sim.switching().is_empty());
+    assert!(pp.writes.is_empty(), "settled: {:?}", pp.writes);
+    // A new generation makes the annotation stale: the rollout starts again.
+    sim.policies[0].generation = 2;
+    sim.step();
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Progressing));
+    assert!(!sim.switching().is_empty());
 }
