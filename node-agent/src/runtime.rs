@@ -118,6 +118,8 @@ struct Shared {
     node: Mutex<Option<Node>>,
     wish: Mutex<Wish>,
     proxy_settings: Mutex<Option<ProxySettings>>,
+    /// Our NodeProxy was deleted: register it again before the next report.
+    deleted: std::sync::atomic::AtomicBool,
     wake: Notify,
     health: Arc<ProxyHealth>,
     metrics: Arc<Metrics>,
@@ -275,6 +277,7 @@ pub async fn run(client: Client, config: Config, health: Arc<ProxyHealth>, metri
         node: Mutex::new(None),
         wish: Mutex::new(Wish::default()),
         proxy_settings: Mutex::new(None),
+        deleted: std::sync::atomic::AtomicBool::new(false),
         wake: Notify::new(),
         health,
         metrics,
@@ -310,16 +313,23 @@ struct Wish {
 
 async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = watcher(Api::<NodeProxy>::all(client), config).default_backoff().touched_objects().boxed();
-    while let Some(np) = stream.try_next().await.map_err(|e| Error::Config(format!("nodeproxy watch: {e}")))? {
-        let wish = Wish {
-            desired: np.spec.desired_mode.map(|mode| Desired { mode, token: np.spec.rollout_token.clone() }),
-            gate: np.spec.health_gate.clone().unwrap_or_default(),
-            probes: np.spec.health_gate.as_ref().map(|g| g.probes.clone()).unwrap_or_default(),
-            generation: np.metadata.generation,
-        };
-        *lock(&shared.wish) = wish;
-        *lock(&shared.proxy_settings) = np.spec.proxy.clone();
+    let mut stream = watcher(Api::<NodeProxy>::all(client), config).default_backoff().boxed();
+    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("nodeproxy watch: {e}")))? {
+        match event {
+            watcher::Event::Apply(np) | watcher::Event::InitApply(np) => {
+                let wish = Wish {
+                    desired: np.spec.desired_mode.map(|mode| Desired { mode, token: np.spec.rollout_token.clone() }),
+                    gate: np.spec.health_gate.clone().unwrap_or_default(),
+                    probes: np.spec.health_gate.as_ref().map(|g| g.probes.clone()).unwrap_or_default(),
+                    generation: np.metadata.generation,
+                };
+                *lock(&shared.wish) = wish;
+                *lock(&shared.proxy_settings) = np.spec.proxy.clone();
+            }
+            // Deleted under us: the sync loop registers it again and reports at once.
+            watcher::Event::Delete(_) => shared.deleted.store(true, std::sync::atomic::Ordering::Relaxed),
+            watcher::Event::Init | watcher::Event::InitDone => continue,
+        }
         shared.wake.notify_one();
     }
     Ok(())
@@ -507,12 +517,32 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             shared.wake.notify_one();
         }
         let Some(d) = driver.as_mut() else { continue };
+        if shared.deleted.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            match report::ensure_registered(&client, &config.node_name).await {
+                Ok(()) => d.dirty = true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "re-registering the deleted NodeProxy failed");
+                    shared.deleted.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
         if d.dirty || last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
             let stats = last_stats.as_ref().map(|(s, t)| (s, *t, &snapshot));
             match report::apply_status(&client, &config.node_name, &status(&config, d, stats, &wish)).await {
                 Ok(()) => {
                     last_report = Some(Instant::now());
                     d.dirty = false;
+                }
+                Err(Error::Kube { source: kube::Error::Api(status), .. }) if status.code == 404 => {
+                    // Someone deleted our NodeProxy: register again, report on the next round.
+                    tracing::warn!("NodeProxy {} is gone; registering again", config.node_name);
+                    match report::ensure_registered(&client, &config.node_name).await {
+                        Ok(()) => {
+                            d.dirty = true;
+                            shared.wake.notify_one();
+                        }
+                        Err(e) => tracing::warn!(error = %e, "re-registering failed"),
+                    }
                 }
                 Err(e) => tracing::warn!(error = %e, "status report failed"),
             }

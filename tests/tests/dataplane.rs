@@ -260,6 +260,19 @@ async fn scenario(mode: &str) {
     let o = probe(client, addr(WEB, 80), false, 20, 1000).expect("probe");
     assert!(answered_all(&o), "{mode}: traffic after the agent restart: {o:?}");
 
+    // A NodeProxy deleted under a running agent is registered again with its status.
+    let proxies: kube::Api<switchyard_crds::v1alpha1::NodeProxy> = kube::Api::all(admin.clone());
+    proxies.delete(&n2.name, &Default::default()).await.expect("delete nodeproxy");
+    let mut back = false;
+    for _ in 0..100 {
+        if proxies.get_opt(&n2.name).await.ok().flatten().is_some_and(|np| np.status.is_some_and(|s| s.active_mode.is_some())) {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(back, "{mode}: the agent did not register its deleted NodeProxy again");
+
     // --cleanup leaves nothing of ours in the node.
     let idx = env.agents.iter().position(|a| a.node == n3.name).expect("agent");
     drop(env.agents.remove(idx));
