@@ -434,11 +434,8 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         if !lock(&shared.tracker).synced() || node.is_none() {
             continue;
         }
-        let mut settings = node_settings(&config, node.as_ref());
         let wish = lock(&shared.wish).clone();
-        if let Some(cidr) = wish_cluster_cidr(&shared) {
-            settings.cluster_cidr = Some(cidr);
-        }
+        let settings = node_settings(&with_policy_settings(&config, lock(&shared.proxy_settings).as_ref()), node.as_ref());
         let d = driver.get_or_insert_with(|| {
             Driver::new(StateFile(config.state_dir.join("state.json")), config.mode, settings.clone(), config.iptables_variant.clone())
         });
@@ -550,6 +547,62 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
     }
 }
 
-fn wish_cluster_cidr(shared: &Shared) -> Option<crate::model::Ipv4Net> {
-    lock(&shared.proxy_settings).as_ref()?.cluster_cidr.as_deref()?.parse().ok()
+/// The agent's configuration with the governing policy's proxy settings (from NodeProxy spec)
+/// laid over its flags: clusterCIDR, masqueradeAll and nodePortAddresses. Invalid values keep the
+/// flag's value (the CRD validates them, so this only guards against skew).
+pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> Config {
+    let mut c = config.clone();
+    let Some(p) = proxy else { return c };
+    if let Some(cidr) = p.cluster_cidr.as_deref().and_then(|v| v.parse().ok()) {
+        c.cluster_cidr = Some(cidr);
+    }
+    if let Some(all) = p.masquerade_all {
+        c.masquerade_all = all;
+    }
+    if !p.node_port_addresses.is_empty() {
+        let cidrs: Vec<crate::model::Ipv4Net> = p.node_port_addresses.iter().filter_map(|a| a.parse().ok()).collect();
+        c.node_port_addresses = if p.node_port_addresses.iter().any(|a| a == "primary") {
+            NodePortAddresses::Primary
+        } else {
+            NodePortAddresses::Cidrs(cidrs)
+        };
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_settings_override_flags() {
+        let config = Config {
+            node_name: "n".into(),
+            mode: ProxyMode::Iptables,
+            iptables_variant: "legacy".into(),
+            cluster_cidr: None,
+            masquerade_all: false,
+            node_port_addresses: NodePortAddresses::All,
+            proxy_name: None,
+            min_sync_period: Duration::from_secs(1),
+            sync_period: Duration::from_secs(30),
+            capabilities: Capabilities::default(),
+            state_dir: "/tmp".into(),
+            takeover_kube_proxy: false,
+        };
+        let proxy = ProxySettings {
+            cluster_cidr: Some("10.244.0.0/16".into()),
+            masquerade_all: Some(true),
+            node_port_addresses: vec!["10.250.0.0/24".into()],
+            ..Default::default()
+        };
+        let c = with_policy_settings(&config, Some(&proxy));
+        assert_eq!(c.cluster_cidr.map(|n| n.to_string()).as_deref(), Some("10.244.0.0/16"));
+        assert!(c.masquerade_all);
+        assert_eq!(c.node_port_addresses, NodePortAddresses::Cidrs(vec!["10.250.0.0/24".parse().expect("net")]));
+        let primary = ProxySettings { node_port_addresses: vec!["primary".into()], ..Default::default() };
+        assert_eq!(with_policy_settings(&config, Some(&primary)).node_port_addresses, NodePortAddresses::Primary);
+        let unchanged = with_policy_settings(&config, None);
+        assert_eq!((unchanged.cluster_cidr, unchanged.masquerade_all), (None, false));
+    }
 }

@@ -29,7 +29,7 @@ fn web() -> SocketAddr {
 async fn want(proxies: &Api<NodeProxy>, node: &str, mode: &str, token: &str, probes: serde_json::Value) {
     let body = json!({
         "apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "metadata": {"name": node},
-        "spec": {"desiredMode": mode, "rolloutToken": token,
+        "spec": {"desiredMode": mode, "rolloutToken": token, "proxy": {"clusterCIDR": "10.244.0.0/16", "masqueradeAll": true},
                  "healthGate": {"minHealthySeconds": 2, "timeoutSeconds": 20, "failureThreshold": 2, "probes": probes}},
     });
     proxies
@@ -119,6 +119,11 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
         assert_eq!(failed, 0, "connections failed during the switch to {mode}");
         for n in &nodes {
             assert_eq!(ours(n), (mode == "nftables", mode == "iptables"), "{}: leftovers after switching to {mode}", n.name);
+        }
+        if mode == "nftables" {
+            // The policy's proxy settings (NodeProxy spec.proxy) reach the rules: masqueradeAll.
+            let listing = Cluster::exec(&nodes[0].netns, &["nft", "list", "chain", "ip", "switchyard", "services"]).unwrap_or_default();
+            assert!(listing.contains("masquerade all ClusterIP traffic"), "{listing}");
         }
     }
 
