@@ -228,7 +228,9 @@ pub struct NodeProxyStatus {
     /// Statistics of the last rules sync.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sync: Option<SyncStats>,
-    /// Ready (serving) and Healthy (health gate passed), with reasons.
+    /// `Healthy`: True while the node runs its desired mode and the last switch for the current
+    /// rollout token passed its health gate; False with the reason (`Switching`, `RolledBack`,
+    /// `Failed`) otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }
