@@ -216,6 +216,19 @@ async fn events(client: &Client, policy: &str) -> Vec<(String, String)> {
     out
 }
 
+/// Events are published after the status write of the same reconcile: poll until `check` holds
+/// (at most 20 s) and return the events either way, so the caller's assertion reports them.
+async fn events_when(client: &Client, policy: &str, check: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
+    let start = std::time::Instant::now();
+    loop {
+        let evs = events(client, policy).await;
+        if check(&evs) || start.elapsed() > Duration::from_secs(20) {
+            return evs;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn lease_holder(client: &Client) -> Option<String> {
     let leases: Api<Lease> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     leases
@@ -482,7 +495,7 @@ spec:
         ["pool-a", "nftables", "6", "6", "6", "Ready"],
         "no current wave: {table}"
     );
-    let evs = events(&admin, "pool-a").await;
+    let evs = events_when(&admin, "pool-a", |e| e.iter().filter(|(r, _)| r == "WaveCompleted").count() >= 3).await;
     println!("{evs:#?}");
     let count = |reason: &str, text: &str| {
         evs.iter()
@@ -575,7 +588,8 @@ spec:
         condition(&high, "Conflict").map(|c| c.status.as_str()),
         Some("False")
     );
-    assert!(events(&admin, "b-low").await.iter().any(|(r, _)| r == "Conflict"));
+    let evs = events_when(&admin, "b-low", |e| e.iter().any(|(r, _)| r == "Conflict")).await;
+    assert!(evs.iter().any(|(r, _)| r == "Conflict"), "{evs:?}");
     let canary = high.waves[0].nodes[0].clone();
 
     // The canary fails its health gate: with failurePolicy pause the policy stops, the rest never starts.
@@ -627,7 +641,10 @@ spec:
                 || v.2.as_deref().is_some_and(|t| !t.starts_with("b-low"))),
         "b-low never applied its mode: {m:?}"
     );
-    let evs = events(&admin, "b-high").await;
+    let evs = events_when(&admin, "b-high", |e| {
+        e.iter().any(|(r, n)| r == "NodeSwitchFailed" && n.contains(&canary)) && e.iter().any(|(r, _)| r == "Paused")
+    })
+    .await;
     assert!(
         evs.iter()
             .any(|(r, note)| r == "NodeSwitchFailed" && note.contains(&canary)),
@@ -694,7 +711,7 @@ spec:
     assert_eq!(m[&first].0, Some(ProxyMode::Iptables), "rolled back: {m:?}");
     assert_eq!(m[&first].1, Some(ProxyMode::Iptables));
     assert_eq!(m[&first].2.as_deref(), Some("c-ipvs-g2-rollback-iptables"));
-    let evs = events(&admin, "c-ipvs").await;
+    let evs = events_when(&admin, "c-ipvs", |e| e.iter().any(|(r, _)| r == "RolledBack")).await;
     assert!(evs.iter().any(|(r, _)| r == "RolledBack"), "{evs:?}");
     println!(
         "{}",

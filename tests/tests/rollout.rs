@@ -173,8 +173,16 @@ async fn pool_moves_to_nftables_in_three_waves_under_load_and_back() {
     assert_eq!(modes[4].1, Some(ProxyMode::Iptables), "the edge node kept its mode");
     let table = env.cp.kubectl_ok(&["get", "proxypolicies"], None).expect("get");
     println!("{table}");
-    let events = env.cp.kubectl_ok(&["get", "events", "-A", "--field-selector", "involvedObject.kind=ProxyPolicy", "-o", "custom-columns=REASON:.reason,MESSAGE:.message"], None).unwrap_or_default();
-    assert!(events.contains("WaveStarted") && events.contains("WaveCompleted"), "{events}");
+    // Events follow the status write of the same reconcile: allow them a moment.
+    let mut events = String::new();
+    for _ in 0..100 {
+        events = env.cp.kubectl_ok(&["get", "events", "-A", "-o", "custom-columns=REASON:.reason,OBJECT:.regarding.name"], None).unwrap_or_default();
+        if events.contains("WaveStarted") && events.matches("WaveCompleted").count() >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(events.contains("WaveStarted") && events.matches("WaveCompleted").count() >= 3, "{events}");
     let wait = env.cp.kubectl(&["wait", "--for=condition=Ready", "--timeout=5s", "proxypolicy/general"], None).expect("kubectl");
     assert!(wait.0, "kubectl wait: {}", wait.2);
 
