@@ -208,3 +208,49 @@ pub fn categorize<'a>(endpoints: &'a [Endpoint], node: &NodeInfo) -> Categorized
 
 #[cfg(test)]
 mod tests;
+
+/// Test fixtures shared by every backend's tests: builder functions on the model types.
+#[cfg(test)]
+pub mod fixtures {
+    use super::*;
+
+    /// The service port `namespace/name:port_name` of `protocol`.
+    pub fn port_name(namespace: &str, name: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
+        ServicePortName {
+            service: ServiceName { namespace: namespace.into(), name: name.into() },
+            port_name: port_name.into(),
+            protocol,
+        }
+    }
+
+    /// A plain ClusterIP service port (no NodePort, external IPs, affinity or Local policies).
+    pub fn cluster_ip(name: ServicePortName, cluster_ip: Ipv4Addr, port: u16) -> ServicePort {
+        ServicePort {
+            name,
+            cluster_ip,
+            port,
+            node_port: None,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            affinity_timeout_seconds: None,
+            external_policy_local: false,
+            internal_policy_local: false,
+            health_check_node_port: None,
+        }
+    }
+
+    /// A ready endpoint on `node`.
+    pub fn ready(ip: Ipv4Addr, port: u16, node: &str) -> Endpoint {
+        Endpoint { ip, port, ready: true, serving: true, terminating: false, node_name: Some(node.into()), zone_hints: vec![] }
+    }
+
+    /// Adds a service port and its endpoints (sorted, as the tracker keeps them) to a snapshot.
+    pub fn add(snapshot: &mut Snapshot, port: ServicePort, mut endpoints: Vec<Endpoint>) {
+        endpoints.sort();
+        if !endpoints.is_empty() {
+            snapshot.endpoints.insert(port.name.clone(), endpoints);
+        }
+        snapshot.services.insert(port.name.clone(), port);
+    }
+}

@@ -21,51 +21,18 @@ fn ip(s: &str) -> Ipv4Addr {
 }
 
 fn spn(svc: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        service: ServiceName {
-            namespace: "ns".into(),
-            name: svc.into(),
-        },
-        port_name: port_name.into(),
-        protocol,
-    }
+    fixtures::port_name("ns", svc, port_name, protocol)
 }
 
 fn port(svc: &str, protocol: Protocol, cluster_ip: &str, port: u16) -> ServicePort {
-    ServicePort {
-        name: spn(svc, "p", protocol),
-        cluster_ip: ip(cluster_ip),
-        port,
-        node_port: None,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        affinity_timeout_seconds: None,
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: None,
-    }
+    fixtures::cluster_ip(spn(svc, "p", protocol), ip(cluster_ip), port)
 }
 
 fn ep(addr: &str, port: u16, node: &str) -> Endpoint {
-    Endpoint {
-        ip: ip(addr),
-        port,
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: Some(node.into()),
-        zone_hints: vec![],
-    }
+    fixtures::ready(ip(addr), port, node)
 }
 
-fn add(snapshot: &mut Snapshot, sp: ServicePort, mut eps: Vec<Endpoint>) {
-    eps.sort();
-    if !eps.is_empty() {
-        snapshot.endpoints.insert(sp.name.clone(), eps);
-    }
-    snapshot.services.insert(sp.name.clone(), sp);
-}
+use crate::model::fixtures::{self, add};
 
 fn settings() -> Settings {
     Settings {

@@ -9,7 +9,7 @@ use nix::sched::{CloneFlags, setns};
 use super::*;
 use crate::{
     backend::Backend,
-    model::{Endpoint, Ipv4Net, NodeInfo, Protocol, ServicePort, ServicePortName},
+    model::{Endpoint, Ipv4Net, NodeInfo, Protocol, ServicePort, ServicePortName, fixtures},
 };
 
 /// A network namespace for one test, deleted on drop.
@@ -50,39 +50,15 @@ impl Drop for TestNetns {
 }
 
 fn name(ns: &str, svc: &str, port: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        service: crate::model::ServiceName { namespace: ns.into(), name: svc.into() },
-        port_name: port.into(),
-        protocol,
-    }
+    fixtures::port_name(ns, svc, port, protocol)
 }
 
 fn port(n: ServicePortName, cip: [u8; 4], p: u16) -> ServicePort {
-    ServicePort {
-        name: n,
-        cluster_ip: Ipv4Addr::from(cip),
-        port: p,
-        node_port: None,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        affinity_timeout_seconds: None,
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: None,
-    }
+    fixtures::cluster_ip(n, Ipv4Addr::from(cip), p)
 }
 
 fn ep(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
-    Endpoint {
-        ip: Ipv4Addr::from(ip),
-        port,
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: Some(node.into()),
-        zone_hints: vec![],
-    }
+    fixtures::ready(Ipv4Addr::from(ip), port, node)
 }
 
 /// The scenario every backend's golden test programs.
