@@ -6,8 +6,6 @@
 //! that is then swapped in (`swap`) and destroyed, so packets always see either the old or the
 //! new contents.
 
-use std::io::Write as _;
-use std::process::{Command, Stdio};
 
 /// Prefix of every set the agent owns.
 pub const SET_PREFIX: &str = "SWY-";
@@ -76,26 +74,11 @@ fn run(args: &[&str], stdin: Option<&str>) -> Result<String, IpsetError> {
         args: joined.clone(),
         reason: e.to_string(),
     };
-    let mut child = Command::new("ipset")
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(spawn)?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        // A failed write shows up in the exit status.
-        let _ = pipe.write_all(input.as_bytes());
+    let out = super::exec::run_with_input("ipset", args, stdin).map_err(spawn)?;
+    if out.success {
+        return Ok(out.stdout);
     }
-    let out = child.wait_with_output().map_err(spawn)?;
-    if out.status.success() {
-        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
-    }
-    let mut stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+    let mut stderr = out.stderr;
     // "ipset v7.17: Error in line 3: ..." -> name the line.
     if let (Some(input), Some(n)) = (stdin, line_number(&stderr))
         && let Some(line) = input.lines().nth(n.saturating_sub(1))

@@ -2,8 +2,6 @@
 //! variant: the only place the iptables backend runs processes. Optionally every command runs in a
 //! named network namespace (`ip netns exec NS ...`), which the kernel tests use.
 
-use std::io::Write as _;
-use std::process::{Command, Stdio};
 use std::str::FromStr;
 
 /// Seconds to wait for the xtables lock (`-w`).
@@ -176,27 +174,8 @@ impl Iptables {
             command: command_line.clone(),
             reason: e.to_string(),
         };
-        let mut child = Command::new(program)
-            .args(rest)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(spawn_err)?;
-        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            // A write error (the tool exited early) shows up in its exit status and stderr.
-            let _ = pipe.write_all(input.as_bytes());
-        }
-        let out = child.wait_with_output().map_err(spawn_err)?;
-        let finished = Finished {
-            status: out.status.code().unwrap_or(-1),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        };
+        let out = super::exec::run_with_input(program, rest, stdin).map_err(spawn_err)?;
+        let finished = Finished { status: out.code, stdout: out.stdout, stderr: out.stderr };
         Ok((command_line, finished))
     }
 

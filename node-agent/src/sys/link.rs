@@ -3,9 +3,7 @@
 //! binding thousands of addresses costs one process, not thousands.
 
 use std::collections::BTreeSet;
-use std::io::Write as _;
 use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
 
 /// Errors of the `ip` tool.
 #[derive(Debug, thiserror::Error)]
@@ -22,27 +20,8 @@ fn ip(args: &[&str], stdin: Option<&str>) -> Result<(bool, String, String), Link
         args: args.join(" "),
         detail,
     };
-    let mut child = Command::new("ip")
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| err(format!("cannot run: {e}")))?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        // A failed write shows up in the exit status.
-        let _ = pipe.write_all(input.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;
-    Ok((
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-    ))
+    let out = super::exec::run_with_input("ip", args, stdin).map_err(|e| err(format!("cannot run: {e}")))?;
+    Ok((out.success, out.stdout, out.stderr))
 }
 
 fn ip_ok(args: &[&str], stdin: Option<&str>) -> Result<String, LinkError> {
