@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::{
     Error, Result,
     backend::{self, Settings},
-    driver::{Driver, StateFile},
+    driver::{Driver, Finished, StateFile},
     model::ServiceName,
     switch::Desired,
     health::{HealthCheckPorts, ProxyHealth, ServiceHealthServers},
@@ -365,7 +365,13 @@ async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceNa
     out
 }
 
-fn status(config: &Config, driver: &Driver, stats: Option<(&backend::SyncStats, Duration, &Snapshot)>, wish: &Wish) -> NodeProxyStatus {
+fn status(
+    config: &Config,
+    driver: &Driver,
+    stats: Option<(&backend::SyncStats, Duration, &Snapshot)>,
+    wish: &Wish,
+    previous: Option<&Condition>,
+) -> NodeProxyStatus {
     let last = driver.last.as_ref();
     let current = last.is_some_and(|l| l.token.is_some() && l.token == wish.desired.as_ref().and_then(|d| d.token.clone()));
     let at_desired = wish.desired.as_ref().is_none_or(|d| d.mode == driver.state.active) && !driver.switching();
@@ -378,12 +384,16 @@ fn status(config: &Config, driver: &Driver, stats: Option<(&backend::SyncStats, 
         last_transition_time: now_time(),
         observed_generation: wish.generation,
     };
-    let healthy_condition = match (healthy, last) {
+    let mut healthy_condition = match (healthy, last) {
         (true, Some(l)) if current => condition(true, "GatePassed", format!("{} active; health gate passed", l.to)),
         (true, _) => condition(true, "Active", format!("{} active", driver.state.active)),
         (false, Some(l)) if current && l.result != "Succeeded" => condition(false, l.result, l.reason.clone()),
         (false, _) => condition(false, "Switching", format!("switch phase {:?}", driver.phase())),
     };
+    // The transition time moves only when the condition's status does.
+    if let Some(p) = previous.filter(|p| p.status == healthy_condition.status) {
+        healthy_condition.last_transition_time = p.last_transition_time.clone();
+    }
     NodeProxyStatus {
         observed_generation: wish.generation,
         agent_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
@@ -420,6 +430,7 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
     let mut last_stats: Option<(backend::SyncStats, Duration)>;
     let mut health_servers = ServiceHealthServers::new(shared.health.clone());
     let mut took_over = !config.takeover_kube_proxy;
+    let mut reported_condition: Option<Condition> = None;
     loop {
         let tick = if driver.as_ref().is_some_and(Driver::switching) { Duration::from_secs(1) } else { config.sync_period };
         tokio::select! {
@@ -436,9 +447,14 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         }
         let wish = lock(&shared.wish).clone();
         let settings = node_settings(&with_policy_settings(&config, lock(&shared.proxy_settings).as_ref()), node.as_ref());
-        let d = driver.get_or_insert_with(|| {
-            Driver::new(StateFile(config.state_dir.join("state.json")), config.mode, settings.clone(), config.iptables_variant.clone())
-        });
+        if driver.is_none() {
+            let mut d = Driver::new(StateFile(config.state_dir.join("state.json")), config.mode, settings.clone(), config.iptables_variant.clone());
+            // Our status is applied whole (server-side apply): carry the last switch result over a
+            // restart, or the restart would erase it.
+            d.last = previous_switch(&client, &config.node_name).await;
+            driver = Some(d);
+        }
+        let Some(d) = driver.as_mut() else { continue };
         if !d.switching() && d.state.active != ProxyMode::Ipvs {
             d.set_settings(settings.clone());
         }
@@ -525,8 +541,10 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         }
         if d.dirty || last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
             let stats = last_stats.as_ref().map(|(s, t)| (s, *t, &snapshot));
-            match report::apply_status(&client, &config.node_name, &status(&config, d, stats, &wish)).await {
+            let report_status = status(&config, d, stats, &wish, reported_condition.as_ref());
+            match report::apply_status(&client, &config.node_name, &report_status).await {
                 Ok(()) => {
+                    reported_condition = report_status.conditions.into_iter().next();
                     last_report = Some(Instant::now());
                     d.dirty = false;
                 }
@@ -545,6 +563,26 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             }
         }
     }
+}
+
+/// The last switch result this node reported before the agent (re)started.
+async fn previous_switch(client: &Client, node: &str) -> Option<Finished> {
+    let np = Api::<NodeProxy>::all(client.clone()).get_opt(node).await.ok()??;
+    let last = np.status?.last_switch?;
+    let result: &'static str = match last.result.as_str() {
+        "Succeeded" => "Succeeded",
+        "RolledBack" => "RolledBack",
+        _ => "Failed",
+    };
+    Some(Finished {
+        from: last.from.unwrap_or(last.to),
+        to: last.to,
+        result,
+        reason: last.reason.unwrap_or_default(),
+        token: last.rollout_token,
+        started: last.started_at.map(|t| t.0),
+        finished: last.finished_at.map(|t| t.0).unwrap_or_else(k8s_openapi::jiff::Timestamp::now),
+    })
 }
 
 /// The agent's configuration with the governing policy's proxy settings (from NodeProxy spec)

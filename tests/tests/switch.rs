@@ -127,6 +127,16 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
         }
     }
 
+    // A plain agent restart keeps the reported result of the last switch (status is applied whole).
+    let n2 = &nodes[2];
+    let idx = env.agents.iter().position(|a| a.node == n2.name).expect("agent");
+    drop(env.agents.remove(idx));
+    let token = node_token(&env.cp, &n2.name).await.expect("token");
+    env.agents.push(Agent::start(&env.cp, n2, &token, &AGENT_ARGS).expect("agent"));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (result, _, _) = answered(&proxies, &n2.name, "to-ipt", Duration::from_secs(30)).await;
+    assert_eq!(result, "Succeeded", "lastSwitch survives an agent restart");
+
     // A failing health gate rolls the node back, and nothing of the target is left.
     let n0 = &nodes[0];
     want(&proxies, &n0.name, "nftables", "gate-fails", json!([{"namespace": "default", "name": "broken"}])).await;
