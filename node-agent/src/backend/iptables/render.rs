@@ -197,8 +197,32 @@ pub fn kernel_probability(p: f64) -> String {
     format!("{:.11}", (p * scale).round() / scale)
 }
 
-fn comment(text: &str) -> String {
+/// `-m comment --comment TEXT`, quoted as iptables-save prints it.
+pub fn comment(text: &str) -> String {
     format!("-m comment --comment {}", save_string(text))
+}
+
+/// The forward-chain rules every iptables-based backend (iptables, IPVS) writes into its own
+/// forward chain: drop conntrack-invalid packets, accept marked and established traffic.
+pub fn forward_rules(mark: u32) -> [String; 3] {
+    [
+        "-m conntrack --ctstate INVALID -j DROP".to_owned(),
+        format!("{} -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT", comment("switchyard forwarding rules")),
+        format!(
+            "{} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+            comment("switchyard forwarding conntrack rule")
+        ),
+    ]
+}
+
+/// The postrouting-chain rules of every iptables-based backend: masquerade what carries `mark`,
+/// clearing the mark first.
+pub fn postrouting_rules(mark: u32) -> [String; 3] {
+    [
+        format!("-m mark ! --mark {mark:#x}/{mark:#x} -j RETURN"),
+        format!("-j MARK --set-xmark {mark:#x}/0x0"),
+        format!("{} -j MASQUERADE --random-fully", comment("switchyard service traffic requiring SNAT")),
+    ]
 }
 
 /// Renders `snapshot`. With `changes` (a partial sync) the per-service chains (`SWY-SVC/SVL/EXT/
@@ -216,33 +240,12 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
     let mark = settings.masquerade_mark;
 
     // Fixed rules.
-    filter.add(FORWARD, "-m conntrack --ctstate INVALID -j DROP");
-    filter.add(
-        FORWARD,
-        format!(
-            "{} -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT",
-            comment("switchyard forwarding rules")
-        ),
-    );
-    filter.add(
-        FORWARD,
-        format!(
-            "{} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
-            comment("switchyard forwarding conntrack rule")
-        ),
-    );
-    nat.add(
-        POSTROUTING,
-        format!("-m mark ! --mark {mark:#x}/{mark:#x} -j RETURN"),
-    );
-    nat.add(POSTROUTING, format!("-j MARK --set-xmark {mark:#x}/0x0"));
-    nat.add(
-        POSTROUTING,
-        format!(
-            "{} -j MASQUERADE --random-fully",
-            comment("switchyard service traffic requiring SNAT")
-        ),
-    );
+    for rule in forward_rules(mark) {
+        filter.add(FORWARD, rule);
+    }
+    for rule in postrouting_rules(mark) {
+        nat.add(POSTROUTING, rule);
+    }
     nat.add(MARK_MASQ, format!("-j MARK --set-xmark {mark:#x}/{mark:#x}"));
 
     let mut rendered = Rendered {

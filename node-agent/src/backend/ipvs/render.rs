@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
 use crate::backend::Settings;
+use crate::backend::iptables::render::{comment, forward_rules, postrouting_rules};
 use crate::model::{Endpoint, Protocol, ServicePort, Snapshot, categorize};
 use crate::sys::ipset::SetSpec;
 use crate::sys::ipvs::{self, FLAG_PERSISTENT, FLAG_SCHED2, VirtualAddr};
@@ -713,9 +714,6 @@ fn render_service(
     }
 }
 
-fn comment(text: &str) -> String {
-    format!("-m comment --comment \"{text}\"")
-}
 
 /// The fixed iptables rules; they only reference sets, so they do not depend on the services.
 fn rules(d: &mut Desired, settings: &Settings) {
@@ -793,34 +791,13 @@ fn rules(d: &mut Desired, settings: &Settings) {
             comment("switchyard endpoint hairpin")
         ),
     );
-    nat.add(
-        POSTROUTING,
-        format!("-m mark ! --mark {mark:#x}/{mark:#x} -j RETURN"),
-    );
-    nat.add(POSTROUTING, format!("-j MARK --set-xmark {mark:#x}/0x0"));
-    nat.add(
-        POSTROUTING,
-        format!(
-            "{} -j MASQUERADE --random-fully",
-            comment("switchyard service traffic requiring SNAT")
-        ),
-    );
+    for rule in postrouting_rules(mark) {
+        nat.add(POSTROUTING, rule);
+    }
 
-    filter.add(FORWARD, "-m conntrack --ctstate INVALID -j DROP");
-    filter.add(
-        FORWARD,
-        format!(
-            "{} -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT",
-            comment("switchyard forwarding rules")
-        ),
-    );
-    filter.add(
-        FORWARD,
-        format!(
-            "{} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
-            comment("switchyard forwarding conntrack rule")
-        ),
-    );
+    for rule in forward_rules(mark) {
+        filter.add(FORWARD, rule);
+    }
     filter.add(
         NODE_PORT,
         format!(
