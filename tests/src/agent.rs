@@ -180,3 +180,27 @@ impl TestEnv {
         Ok(())
     }
 }
+
+/// For operator-level tests that play the agents: creates `node`'s NodeProxy with an empty spec,
+/// owned by its Node, as the agent registers it.
+pub async fn register_node_proxy(client: &kube::Client, node: &str, node_uid: &str) -> Result<()> {
+    let proxies: Api<switchyard_crds::v1alpha1::NodeProxy> = Api::all(client.clone());
+    let np: switchyard_crds::v1alpha1::NodeProxy = serde_json::from_value(json!({
+        "apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy",
+        "metadata": {"name": node, "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid}]},
+        "spec": {},
+    }))
+    .map_err(|e| Error::Prerequisite(e.to_string()))?;
+    proxies.create(&PostParams::default(), &np).await?;
+    Ok(())
+}
+
+/// For operator-level tests that play the agents: writes `status` into `node`'s NodeProxy the way
+/// the agent does (server-side apply, field manager `switchyard-agent`).
+pub async fn write_agent_status(client: &kube::Client, node: &str, status: serde_json::Value) -> Result<()> {
+    let proxies: Api<switchyard_crds::v1alpha1::NodeProxy> = Api::all(client.clone());
+    let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "status": status});
+    let params = kube::api::PatchParams::apply(switchyard_crds::consts::AGENT_FIELD_MANAGER).force();
+    proxies.patch_status(node, &params, &kube::api::Patch::Apply(&body)).await?;
+    Ok(())
+}

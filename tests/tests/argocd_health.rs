@@ -20,7 +20,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client,
-    api::{ListParams, Patch, PatchParams, PostParams},
+    api::{ListParams, PostParams},
 };
 use serde_json::{Value, json};
 use switchyard_crds::v1alpha1::{NodeProxy, PolicyPhase, ProxyPolicy, ProxyPolicyStatus};
@@ -145,15 +145,7 @@ fn agent_status(active: &str, last: Option<Value>) -> Value {
 }
 
 async fn write_status(proxies: &Api<NodeProxy>, node: &str, status: Value) {
-    let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "status": status});
-    proxies
-        .patch_status(
-            node,
-            &PatchParams::apply("switchyard-agent").force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .expect("agent status");
+    switchyard_e2e::agent::write_agent_status(&proxies.clone().into_client(), node, status).await.expect("agent status");
 }
 
 async fn register(client: &Client, node: &str) {
@@ -165,16 +157,7 @@ async fn register(client: &Client, node: &str) {
         .metadata
         .uid
         .expect("uid");
-    let np: NodeProxy = serde_json::from_value(json!({
-        "apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy",
-        "metadata": {"name": node, "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid}]},
-        "spec": {},
-    }))
-    .expect("nodeproxy");
-    proxies
-        .create(&PostParams::default(), &np)
-        .await
-        .expect("create NodeProxy");
+    switchyard_e2e::agent::register_node_proxy(client, node, &uid).await.expect("create NodeProxy");
     write_status(&proxies, node, agent_status("iptables", None)).await;
 }
 

@@ -8,10 +8,10 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Node;
 use kube::{
     Api,
-    api::{Patch, PatchParams, PostParams},
+    api::PostParams,
 };
 use serde_json::{Value, json};
-use switchyard_crds::v1alpha1::{NodeProxy, PolicyPhase, ProxyPolicy, ProxyPolicyStatus};
+use switchyard_crds::v1alpha1::{PolicyPhase, ProxyPolicy, ProxyPolicyStatus};
 use switchyard_e2e::{agent, binaries, controlplane::ControlPlane, eventually, operator::Operator, tools};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -70,7 +70,6 @@ async fn plan_matches_the_operator_and_the_commands_steer_it() {
     agent::install_switchyard(&cp).expect("install");
     let admin = cp.admin_client().await.expect("admin");
     let nodes: Api<Node> = Api::all(admin.clone());
-    let proxies: Api<NodeProxy> = Api::all(admin.clone());
     for i in 1..=7 {
         let name = format!("node-{i}");
         let node: Node =
@@ -83,13 +82,7 @@ async fn plan_matches_the_operator_and_the_commands_steer_it() {
             .metadata
             .uid
             .expect("uid");
-        let np: NodeProxy = serde_json::from_value(json!({
-            "apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy",
-            "metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid}]},
-            "spec": {},
-        }))
-        .expect("np");
-        proxies.create(&PostParams::default(), &np).await.expect("np");
+        switchyard_e2e::agent::register_node_proxy(&admin, &name, &uid).await.expect("np");
         // node-7's kernel is too old for nftables: the sample's fallback (iptables) applies there.
         let modes = if i == 7 {
             json!(["iptables"])
@@ -102,14 +95,7 @@ async fn plan_matches_the_operator_and_the_commands_steer_it() {
               "ipvs": {"usable": false}, "ipset": {"usable": true}},
             "activeMode": "iptables", "phase": "Active",
         }});
-        proxies
-            .patch_status(
-                &name,
-                &PatchParams::apply("switchyard-agent").force(),
-                &Patch::Apply(&status),
-            )
-            .await
-            .expect("status");
+        switchyard_e2e::agent::write_agent_status(&admin, &name, status["status"].clone()).await.expect("status");
     }
     // The sample without its maintenance window (Mon–Thu office hours): what the planner says
     // must not depend on when the test runs.

@@ -71,15 +71,7 @@ fn agent_status(active: &str, supported: &[&str], last: Option<Value>) -> Value 
 }
 
 async fn write_status(proxies: &Api<NodeProxy>, node: &str, status: Value) {
-    let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "status": status});
-    proxies
-        .patch_status(
-            node,
-            &PatchParams::apply("switchyard-agent").force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .expect("agent status");
+    switchyard_e2e::agent::write_agent_status(&proxies.clone().into_client(), node, status).await.expect("agent status");
 }
 
 /// Plays every agent once: a node whose spec asks for a mode it does not run under a token it has
