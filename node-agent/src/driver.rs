@@ -12,7 +12,7 @@ use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchPhase}
 
 use crate::{
     backend::{self, Backend, BackendError, Settings, SyncStats},
-    model::{Changes, Protocol, ServiceName, Snapshot},
+    model::{Changes, DualSnapshot, Protocol, ServiceName},
     switch::{self, Desired, Gate, GateProgress, Phase, Step, SwitchState},
 };
 
@@ -142,7 +142,7 @@ impl Driver {
     /// Syncs every present backend (the serving one, and the target during a switch). On the
     /// first call, recovers from the persisted state first: programs the backend that must serve,
     /// then removes every other backend's objects.
-    pub fn sync(&mut self, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+    pub fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
         if !self.recovered {
             let r = switch::recover(&self.state);
             let serve = r.serve;
@@ -186,7 +186,7 @@ impl Driver {
         desired: Option<&Desired>,
         supported: &[ProxyMode],
         gate: &HealthGate,
-        snapshot: &Snapshot,
+        snapshot: &DualSnapshot,
         probe_targets: &[ServiceName],
     ) -> bool {
         if !self.recovered {
@@ -287,7 +287,7 @@ impl Driver {
     }
 
     /// Returns to the old backend: un-bypass it (re-synced in full), bypass and remove the target.
-    fn roll_back(&mut self, snapshot: &Snapshot, reason: String) -> bool {
+    fn roll_back(&mut self, snapshot: &DualSnapshot, reason: String) -> bool {
         let from = self.state.active;
         let to = self.state.target.unwrap_or(from);
         tracing::warn!(%from, %to, %reason, "switch: rolling back");
@@ -327,14 +327,16 @@ fn fault_pause(phase: Phase) {
     }
 }
 
-/// One probe round from this node: TCP connect to every port of each target Service's ClusterIP.
-/// A connection that is accepted means an endpoint answered through the data plane.
-pub fn probe_round(snapshot: &Snapshot, targets: &[ServiceName]) -> Vec<ProbeResult> {
+/// One probe round from this node: TCP connect to every port of each target Service's ClusterIPs
+/// (both families of a dual-stack Service). A connection that is accepted means an endpoint
+/// answered through the data plane.
+pub fn probe_round(snapshot: &DualSnapshot, targets: &[ServiceName]) -> Vec<ProbeResult> {
     let mut results = Vec::new();
     for target in targets {
         let ports: Vec<_> = snapshot
-            .services
-            .values()
+            .families()
+            .into_iter()
+            .flat_map(|s| s.services.values())
             .filter(|p| &p.name.service == target && p.name.protocol == Protocol::Tcp)
             .collect();
         if ports.is_empty() {
@@ -346,7 +348,7 @@ pub fn probe_round(snapshot: &Snapshot, targets: &[ServiceName]) -> Vec<ProbeRes
                 Ok(s) => (true, s.peer_addr().ok().map(|a| format!("connected to {a}"))),
                 Err(e) => (false, Some(e.to_string())),
             };
-            results.push(ProbeResult { target: format!("{}:{}", p.name, p.port), ok, detail });
+            results.push(ProbeResult { target: format!("{} {addr}", p.name), ok, detail });
         }
     }
     results

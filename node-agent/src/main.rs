@@ -39,7 +39,8 @@ struct Args {
     /// Proxy mode: nftables or iptables.
     #[arg(long, default_value = "nftables")]
     mode: String,
-    /// Pod CIDR of the cluster (traffic from outside it to ClusterIPs is masqueraded).
+    /// Pod CIDR of the cluster, or one per family comma-separated (`10.244.0.0/16,fd00:10:244::/56`);
+    /// traffic from outside it to ClusterIPs is masqueraded.
     #[arg(long)]
     cluster_cidr: Option<String>,
     /// Masquerade all service traffic.
@@ -126,11 +127,10 @@ fn parse_mode(mode: &str) -> Result<ProxyMode> {
 
 fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Capabilities) -> Result<runtime::Config> {
     let mode = parse_mode(&args.mode)?;
-    let cluster_cidr = args
-        .cluster_cidr
-        .as_deref()
-        .map(|c| c.parse().map_err(|e| Error::Config(format!("--cluster-cidr {c}: {e}"))))
-        .transpose()?;
+    let cluster_cidrs = match args.cluster_cidr.as_deref() {
+        Some(c) => runtime::parse_cluster_cidrs(c).map_err(|e| Error::Config(format!("--cluster-cidr {e}")))?,
+        None => Vec::new(),
+    };
     let node_port_addresses = match args.nodeport_addresses.as_deref() {
         None if mode == ProxyMode::Nftables => NodePortAddresses::Primary,
         None | Some("all") => NodePortAddresses::All,
@@ -148,7 +148,7 @@ fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Ca
         node_name: node,
         mode,
         iptables_variant: caps.iptables_variant.clone().unwrap_or_else(|| "legacy".into()),
-        cluster_cidr,
+        cluster_cidrs,
         masquerade_all: args.masquerade_all,
         node_port_addresses,
         proxy_name: args.service_proxy_name.clone(),

@@ -28,7 +28,7 @@ use crate::{
     switch::Desired,
     health::{HealthCheckPorts, ProxyHealth, ServiceHealthServers},
     metrics::{ModeLabel, Metrics, TrafficPolicy},
-    model::{NodeInfo, Snapshot, categorize, tracker::Tracker},
+    model::{DualSnapshot, IpNet, NodeInfo, categorize, tracker::Tracker},
     report,
 };
 
@@ -40,7 +40,7 @@ pub enum NodePortAddresses {
     /// The node's primary addresses (nftables default).
     Primary,
     /// Node addresses inside these CIDRs.
-    Cidrs(Vec<crate::model::Ipv4Net>),
+    Cidrs(Vec<IpNet>),
 }
 
 /// Configuration of the proxy loop.
@@ -52,8 +52,8 @@ pub struct Config {
     pub mode: ProxyMode,
     /// iptables variant (`legacy` / `nft`) for the iptables backend.
     pub iptables_variant: String,
-    /// Pod CIDR of the cluster.
-    pub cluster_cidr: Option<crate::model::Ipv4Net>,
+    /// Pod CIDRs of the cluster, at most one per family.
+    pub cluster_cidrs: Vec<IpNet>,
     /// Masquerade all service traffic.
     pub masquerade_all: bool,
     /// NodePort addresses.
@@ -74,7 +74,7 @@ pub struct Config {
 
 /// Derives the node facts and the backend settings from the Node object.
 pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
-    let addresses: Vec<std::net::Ipv4Addr> = node
+    let addresses: Vec<std::net::IpAddr> = node
         .and_then(|n| n.status.as_ref())
         .and_then(|s| s.addresses.as_ref())
         .into_iter()
@@ -93,7 +93,7 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
     };
     Settings {
         node: NodeInfo { name: config.node_name.clone(), addresses, zone },
-        cluster_cidr: config.cluster_cidr,
+        cluster_cidrs: config.cluster_cidrs.clone(),
         masquerade_all: config.masquerade_all,
         node_port_addresses,
         masquerade_mark: 0x4000,
@@ -244,21 +244,25 @@ fn notify(shared: &Shared) {
     shared.wake.notify_one();
 }
 
-fn health_check_ports(snapshot: &Snapshot, settings: &Settings) -> HealthCheckPorts {
-    snapshot
-        .services
-        .values()
-        .filter(|p| p.external_policy_local)
-        .filter_map(|p| {
-            let eps = snapshot.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
-            Some((p.health_check_node_port?, (p.name.service.clone(), categorize(eps, &settings.node).local.len())))
-        })
-        .collect()
+/// Health-check node ports of ETP=Local Services with their local endpoint counts. A dual-stack
+/// pod is one endpoint per family, so the count is the larger of the two families'.
+fn health_check_ports(snapshot: &DualSnapshot, settings: &Settings) -> HealthCheckPorts {
+    let mut ports = HealthCheckPorts::new();
+    for family in snapshot.families() {
+        for p in family.services.values().filter(|p| p.external_policy_local) {
+            let Some(hc) = p.health_check_node_port else { continue };
+            let eps = family.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
+            let local = categorize(eps, &settings.node).local.len();
+            let entry = ports.entry(hc).or_insert_with(|| (p.name.service.clone(), 0));
+            entry.1 = entry.1.max(local);
+        }
+    }
+    ports
 }
 
-fn no_local_endpoints(snapshot: &Snapshot, settings: &Settings, metrics: &Metrics) {
+fn no_local_endpoints(snapshot: &DualSnapshot, settings: &Settings, metrics: &Metrics) {
     let (mut internal, mut external) = (0i64, 0i64);
-    for p in snapshot.services.values() {
+    for (snapshot, p) in snapshot.families().into_iter().flat_map(|s| s.services.values().map(move |p| (s, p))) {
         let eps = snapshot.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
         let c = categorize(eps, &settings.node);
         if c.local.is_empty() && c.has_any {
@@ -368,7 +372,7 @@ async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceNa
 fn status(
     config: &Config,
     driver: &Driver,
-    stats: Option<(&backend::SyncStats, Duration, &Snapshot)>,
+    stats: Option<(&backend::SyncStats, Duration, &DualSnapshot)>,
     wish: &Wish,
     previous: Option<&Condition>,
 ) -> NodeProxyStatus {
@@ -413,8 +417,8 @@ fn status(
         sync: stats.map(|(stats, took, snapshot)| StatusSync {
             last_sync_time: Some(now_time()),
             last_sync_millis: took.as_millis() as i64,
-            services: snapshot.services.len() as i64,
-            endpoints: snapshot.endpoints.values().map(Vec::len).sum::<usize>() as i64,
+            services: snapshot.families().iter().map(|s| s.services.len()).sum::<usize>() as i64,
+            endpoints: snapshot.families().iter().flat_map(|s| s.endpoints.values()).map(Vec::len).sum::<usize>() as i64,
             rules: stats.rules_total as i64,
         }),
         conditions: vec![healthy_condition],
@@ -585,20 +589,34 @@ async fn previous_switch(client: &Client, node: &str) -> Option<Finished> {
     })
 }
 
+/// Parses a cluster CIDR list as kube-proxy's `--cluster-cidr` takes it: one CIDR, or one per
+/// family separated by a comma.
+pub fn parse_cluster_cidrs(value: &str) -> std::result::Result<Vec<IpNet>, String> {
+    let cidrs: Vec<IpNet> = value
+        .split(',')
+        .map(|c| c.trim().parse::<IpNet>().map(|n| n.trunc()).map_err(|e| format!("{c}: {e}")))
+        .collect::<std::result::Result<_, _>>()?;
+    let families: std::collections::BTreeSet<_> = cidrs.iter().map(crate::model::IpFamily::of_net).collect();
+    if families.len() != cidrs.len() {
+        return Err(format!("{value}: at most one CIDR per IP family"));
+    }
+    Ok(cidrs)
+}
+
 /// The agent's configuration with the governing policy's proxy settings (from NodeProxy spec)
 /// laid over its flags: clusterCIDR, masqueradeAll and nodePortAddresses. Invalid values keep the
 /// flag's value (the CRD validates them, so this only guards against skew).
 pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> Config {
     let mut c = config.clone();
     let Some(p) = proxy else { return c };
-    if let Some(cidr) = p.cluster_cidr.as_deref().and_then(|v| v.parse().ok()) {
-        c.cluster_cidr = Some(cidr);
+    if let Some(Ok(cidrs)) = p.cluster_cidr.as_deref().map(parse_cluster_cidrs) {
+        c.cluster_cidrs = cidrs;
     }
     if let Some(all) = p.masquerade_all {
         c.masquerade_all = all;
     }
     if !p.node_port_addresses.is_empty() {
-        let cidrs: Vec<crate::model::Ipv4Net> = p.node_port_addresses.iter().filter_map(|a| a.parse().ok()).collect();
+        let cidrs: Vec<IpNet> = p.node_port_addresses.iter().filter_map(|a| a.parse().ok()).collect();
         c.node_port_addresses = if p.node_port_addresses.iter().any(|a| a == "primary") {
             NodePortAddresses::Primary
         } else {
@@ -618,7 +636,7 @@ mod tests {
             node_name: "n".into(),
             mode: ProxyMode::Iptables,
             iptables_variant: "legacy".into(),
-            cluster_cidr: None,
+            cluster_cidrs: Vec::new(),
             masquerade_all: false,
             node_port_addresses: NodePortAddresses::All,
             proxy_name: None,
@@ -629,18 +647,26 @@ mod tests {
             takeover_kube_proxy: false,
         };
         let proxy = ProxySettings {
-            cluster_cidr: Some("10.244.0.0/16".into()),
+            cluster_cidr: Some("10.244.0.0/16,fd00:10:244::/56".into()),
             masquerade_all: Some(true),
             node_port_addresses: vec!["10.250.0.0/24".into()],
             ..Default::default()
         };
         let c = with_policy_settings(&config, Some(&proxy));
-        assert_eq!(c.cluster_cidr.map(|n| n.to_string()).as_deref(), Some("10.244.0.0/16"));
+        assert_eq!(c.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(), ["10.244.0.0/16", "fd00:10:244::/56"]);
         assert!(c.masquerade_all);
         assert_eq!(c.node_port_addresses, NodePortAddresses::Cidrs(vec!["10.250.0.0/24".parse().expect("net")]));
         let primary = ProxySettings { node_port_addresses: vec!["primary".into()], ..Default::default() };
         assert_eq!(with_policy_settings(&config, Some(&primary)).node_port_addresses, NodePortAddresses::Primary);
         let unchanged = with_policy_settings(&config, None);
-        assert_eq!((unchanged.cluster_cidr, unchanged.masquerade_all), (None, false));
+        assert_eq!((unchanged.cluster_cidrs, unchanged.masquerade_all), (vec![], false));
+    }
+
+    #[test]
+    fn cluster_cidrs_take_one_per_family() {
+        assert_eq!(parse_cluster_cidrs("10.244.1.0/16").map(|c| c[0].to_string()), Ok("10.244.0.0/16".into()));
+        assert_eq!(parse_cluster_cidrs("10.244.0.0/16, fd00:10:244::/56").map(|c| c.len()), Ok(2));
+        assert!(parse_cluster_cidrs("10.244.0.0/16,10.245.0.0/16").is_err_and(|e| e.contains("at most one CIDR per IP family")));
+        assert!(parse_cluster_cidrs("10.244.0.0/33").is_err());
     }
 }

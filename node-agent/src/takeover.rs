@@ -1,9 +1,10 @@
 //! `--takeover-kube-proxy`: once Switchyard serves a node, remove what kube-proxy left behind
 //! (kube-proxy never deletes its rules on exit, KEP-2448): its nftables tables and its iptables
-//! chains, in both iptables variants. Chains kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`,
+//! chains, in both iptables variants and both IP families. Chains kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`,
 //! `KUBE-MARK-DROP`) are kept, as kube-proxy's own cleanup keeps them.
 
 use crate::{
+    model::IpFamily,
     sys::{
         self,
         iptables::{Iptables, Table, Variant},
@@ -71,8 +72,9 @@ pub fn takeover() -> (Vec<String>, Vec<String>) {
             Err(e) => errors.push(format!("nftables kube-proxy table: {e}")),
         }
     }
-    for variant in [Variant::Legacy, Variant::Nft] {
-        let ipt = Iptables::new(variant, None);
+    for (variant, family) in [Variant::Legacy, Variant::Nft].into_iter().flat_map(|v| IpFamily::ALL.map(|f| (v, f))) {
+        let ipt = Iptables::new(variant, None).for_family(family);
+        let tool = ipt.binary("iptables");
         for (table, name) in [(Table::Filter, "filter"), (Table::Nat, "nat")] {
             let save = match ipt.save(table) {
                 Ok(s) => s,
@@ -83,8 +85,8 @@ pub fn takeover() -> (Vec<String>, Vec<String>) {
                 continue;
             }
             match ipt.restore(&input) {
-                Ok(()) => removed.push(format!("iptables-{} {name} KUBE-* chains", variant.as_str())),
-                Err(e) => errors.push(format!("iptables-{} {name}: {e}", variant.as_str())),
+                Ok(()) => removed.push(format!("{tool} {name} KUBE-* chains")),
+                Err(e) => errors.push(format!("{tool} {name}: {e}")),
             }
         }
     }

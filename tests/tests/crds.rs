@@ -126,7 +126,12 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         (
             "bad-cluster-cidr",
             variant("bad-cluster-cidr", waves, &format!("{waves}  proxy:\n    clusterCIDR: 10.244.0.0/33\n")),
-            r#"spec.proxy.clusterCIDR: Invalid value: "10.244.0.0/33": proxy.clusterCIDR must be a CIDR such as 10.244.0.0/16"#,
+            r#"spec.proxy.clusterCIDR: Invalid value: "10.244.0.0/33": proxy.clusterCIDR must be a CIDR, or an IPv4 and an IPv6 CIDR separated by a comma, such as 10.244.0.0/16,fd00:10:244::/56"#,
+        ),
+        (
+            "two-ipv4-cluster-cidrs",
+            variant("two-ipv4-cluster-cidrs", waves, &format!("{waves}  proxy:\n    clusterCIDR: 10.244.0.0/16,10.245.0.0/16\n")),
+            r#"spec.proxy.clusterCIDR: Invalid value: "10.244.0.0/16,10.245.0.0/16": proxy.clusterCIDR must be a CIDR, or an IPv4 and an IPv6 CIDR separated by a comma, such as 10.244.0.0/16,fd00:10:244::/56"#,
         ),
         (
             "bad-nodeport-address",

@@ -67,11 +67,13 @@ pub enum IpvsScheduler {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.minSyncPeriodSeconds) || !has(self.syncPeriodSeconds) || self.minSyncPeriodSeconds <= self.syncPeriodSeconds").message("proxy.minSyncPeriodSeconds must not exceed proxy.syncPeriodSeconds"))]
 pub struct ProxySettings {
-    /// Pod CIDR of the cluster (e.g. 10.244.0.0/16). Traffic to a Service from outside it is
-    /// masqueraded. Optional: without it, only traffic that needs it for correctness is masqueraded.
+    /// Pod CIDR of the cluster (e.g. 10.244.0.0/16), or one per family on dual-stack clusters,
+    /// comma-separated (e.g. 10.244.0.0/16,fd00:10:244::/56). Traffic to a Service from outside
+    /// it is masqueraded. Optional: without it, only traffic that needs it for correctness is
+    /// masqueraded.
     #[serde(default, skip_serializing_if = "Option::is_none", rename = "clusterCIDR")]
-    #[schemars(length(max = 43))]
-    #[x_kube(validation = Rule::new("isCIDR(self)").message("proxy.clusterCIDR must be a CIDR such as 10.244.0.0/16"))]
+    #[schemars(length(max = 87))]
+    #[x_kube(validation = Rule::new("self.split(',').all(c, isCIDR(c)) && (self.split(',').size() == 1 || (self.split(',').size() == 2 && cidr(self.split(',')[0]).ip().family() != cidr(self.split(',')[1]).ip().family()))").message("proxy.clusterCIDR must be a CIDR, or an IPv4 and an IPv6 CIDR separated by a comma, such as 10.244.0.0/16,fd00:10:244::/56"))]
     pub cluster_cidr: Option<String>,
 
     /// Node addresses on which NodePorts are served: CIDRs, or the word `primary` for the node's

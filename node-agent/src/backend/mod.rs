@@ -19,19 +19,21 @@ pub mod nftables;
 pub mod iptables;
 pub mod ipvs;
 
-use crate::model::{Changes, NodeInfo, Snapshot};
+use crate::model::{Changes, DualSnapshot, IpFamily, IpNet, NodeInfo};
 
 /// Proxy-wide settings a backend renders with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     /// The node (name, addresses, zone).
     pub node: NodeInfo,
-    /// Pod CIDR of the cluster; traffic from outside it to ClusterIPs is masqueraded.
-    pub cluster_cidr: Option<crate::model::Ipv4Net>,
+    /// Pod CIDRs of the cluster, at most one per family; traffic from outside them to ClusterIPs
+    /// is masqueraded.
+    pub cluster_cidrs: Vec<IpNet>,
     /// Masquerade all service traffic.
     pub masquerade_all: bool,
-    /// NodePort addresses: `None` = every local address; otherwise these addresses.
-    pub node_port_addresses: Option<Vec<std::net::Ipv4Addr>>,
+    /// NodePort addresses: `None` = every local address; otherwise these addresses (both
+    /// families; each family's rules use its own).
+    pub node_port_addresses: Option<Vec<std::net::IpAddr>>,
     /// The fwmark bit used to request masquerade.
     pub masquerade_mark: u32,
     /// IPVS mode: scheduler, strictARP, excluded CIDRs.
@@ -42,12 +44,19 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             node: NodeInfo::default(),
-            cluster_cidr: None,
+            cluster_cidrs: Vec::new(),
             masquerade_all: false,
             node_port_addresses: None,
             masquerade_mark: 0x4000,
             ipvs: ipvs::IpvsOptions::default(),
         }
+    }
+}
+
+impl Settings {
+    /// The cluster CIDR of `family`, if configured.
+    pub fn cluster_cidr(&self, family: IpFamily) -> Option<IpNet> {
+        self.cluster_cidrs.iter().copied().find(|n| IpFamily::of_net(n) == family)
     }
 }
 
@@ -64,6 +73,19 @@ pub struct SyncStats {
     pub objects_written: usize,
     /// Rules (or equivalent) in the whole desired state.
     pub rules_total: usize,
+}
+
+impl SyncStats {
+    /// The stats of two syncs of one backend (e.g. its two families) as one: full only if both were.
+    pub fn plus(&self, other: &SyncStats) -> SyncStats {
+        SyncStats {
+            full: self.full && other.full,
+            services: self.services + other.services,
+            endpoints: self.endpoints + other.endpoints,
+            objects_written: self.objects_written + other.objects_written,
+            rules_total: self.rules_total + other.rules_total,
+        }
+    }
 }
 
 /// Errors of backends.
@@ -104,12 +126,13 @@ pub enum BackendError {
 pub trait Backend: Send {
     /// The mode this backend implements.
     fn mode(&self) -> switchyard_crds::v1alpha1::ProxyMode;
-    /// Programs `snapshot`; `full` rewrites everything, otherwise only `changes` and shared objects.
-    fn sync(&mut self, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError>;
+    /// Programs `snapshot` (both families); `full` rewrites everything, otherwise only `changes`
+    /// and shared objects.
+    fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError>;
     /// Removes every kernel object this backend owns. Idempotent.
     fn cleanup(&mut self) -> Result<(), BackendError>;
     /// The rendered desired state as text (nft syntax, iptables-save syntax), for `--render`.
-    fn render_text(&self, snapshot: &Snapshot) -> String;
+    fn render_text(&self, snapshot: &DualSnapshot) -> String;
     /// Turns the backend's entry points off (`true`: its objects stay programmed but no packet
     /// enters them) or on, in one atomic step. Survives later syncs. This is the switch's
     /// cut-over primitive: un-bypass the new backend, then bypass the old one.

@@ -43,9 +43,11 @@ pub fn nft_service_chain(prefix: &str, name: &ServicePortName) -> String {
     format!("{prefix}{}", nft_hashed(&nft_service_base(name)))
 }
 
-/// nft chain/set name of one endpoint of a service port (`endpoint-`, `affinity-`).
+/// nft chain/set name of one endpoint of a service port (`endpoint-`, `affinity-`); IPv6 colons
+/// become dots, as kube-proxy writes them, since nft's parser reads `:` as a separator.
 pub fn nft_endpoint_name(prefix: &str, name: &ServicePortName, ep: &Endpoint) -> String {
-    format!("{prefix}{}", nft_hashed(&format!("{}__{}/{}", nft_service_base(name), ep.ip, ep.port)))
+    let ip = ep.ip.to_string().replace(':', ".");
+    format!("{prefix}{}", nft_hashed(&format!("{}__{ip}/{}", nft_service_base(name), ep.port)))
 }
 
 /// iptables chain of a service port: `SWY-<kind>-<16 base32>` (28-character limit).

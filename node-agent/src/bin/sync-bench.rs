@@ -44,8 +44,8 @@ fn slice(i: usize, generation: u32) -> EndpointSlice {
 
 fn settings() -> Settings {
     Settings {
-        node: NodeInfo { name: "node-1".into(), addresses: vec![Ipv4Addr::new(10, 250, 0, 11)], zone: None },
-        cluster_cidr: "10.128.0.0/9".parse().ok(),
+        node: NodeInfo { name: "node-1".into(), addresses: vec![Ipv4Addr::new(10, 250, 0, 11).into()], zone: None },
+        cluster_cidrs: "10.128.0.0/9".parse().into_iter().collect(),
         ..Default::default()
     }
 }
@@ -164,7 +164,7 @@ fn child(kind: Kind, n: usize, incremental: bool) {
 fn breakdown() {
     use switchyard_agent::{
         backend::nftables::{encode::Batch, ir::{Element, Expr, Key, Rule}},
-        model::Protocol,
+        model::{IpFamily, Protocol},
         sys,
     };
     let time = |batch: Batch| {
@@ -172,15 +172,15 @@ fn breakdown() {
         let ok = matches!(sys::nft::apply(batch), Ok(Ok(())));
         (start.elapsed().as_secs_f64() * 1000.0, ok)
     };
-    let mut b = Batch::new();
-    let e = Element { key: Key::Ipv4(Ipv4Addr::new(10, 99, 0, 1)), verdict: None, comment: None };
+    let mut b = Batch::new(IpFamily::V4);
+    let e = Element { key: Key::Addr(Ipv4Addr::new(10, 99, 0, 1).into()), verdict: None, comment: None };
     b.elements("cluster-ips", &[&e], true);
     eprintln!("breakdown: add one plain set element: {:?} ms", time(b));
-    let mut b = Batch::new();
+    let mut b = Batch::new(IpFamily::V4);
     b.add_chain("bench-extra", None);
-    b.add_rule("bench-extra", &Rule::new(vec![Expr::L4Proto(Protocol::Tcp), Expr::Dnat(Ipv4Addr::new(10, 128, 0, 1), 80)]));
+    b.add_rule("bench-extra", &Rule::new(vec![Expr::L4Proto(Protocol::Tcp), Expr::Dnat(Ipv4Addr::new(10, 128, 0, 1).into(), 80)]));
     eprintln!("breakdown: add one unreferenced chain with a DNAT rule: {:?} ms", time(b));
-    let mut b = Batch::new();
+    let mut b = Batch::new(IpFamily::V4);
     b.add_table("rules for switchyard");
     eprintln!("breakdown: empty transaction (add table): {:?} ms", time(b));
 }

@@ -1,13 +1,14 @@
 //! Pure conversion of Kubernetes Services and EndpointSlices into model values, with kube-proxy's
-//! filters: headless and ExternalName Services are skipped, the service-proxy-name label is honoured,
-//! non-IPv4 addresses are ignored by this (IPv4) model.
+//! filters: headless and ExternalName Services are skipped, the service-proxy-name label is honoured.
+//! A dual-stack Service yields one [`ServicePort`] per family and port, each holding only addresses of
+//! its family.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use switchyard_crds::consts::SERVICE_PROXY_NAME_LABEL;
 
-use super::{Endpoint, Ipv4Net, Protocol, ServiceName, ServicePort, ServicePortName};
+use super::{Endpoint, IpFamily, IpNet, Protocol, ServiceName, ServicePort, ServicePortName};
 
 /// Default ClientIP affinity timeout (3 hours), as in the Service API.
 pub const DEFAULT_AFFINITY_SECONDS: u32 = 10800;
@@ -27,15 +28,17 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
     if !handled_by(svc.metadata.labels.as_ref(), proxy_name) || spec.type_.as_deref() == Some("ExternalName") {
         return Vec::new();
     }
-    let Some(cluster_ip) = spec.cluster_ip.as_deref().filter(|ip| *ip != "None").and_then(|ip| ip.parse::<Ipv4Addr>().ok())
-    else {
-        return Vec::new(); // headless, unset, or not IPv4
+    // `clusterIPs` lists one address per family (primary first); older objects only `clusterIP`.
+    let cluster_ips: Vec<IpAddr> = match spec.cluster_ips.as_deref() {
+        Some(ips) if !ips.is_empty() => ips.iter().filter_map(|ip| ip.parse().ok()).collect(),
+        _ => spec.cluster_ip.iter().filter_map(|ip| ip.parse().ok()).collect(),
     };
-    let parse_v4 = |list: Option<&Vec<String>>| -> Vec<Ipv4Addr> {
+    let parse_ips = |list: Option<&Vec<String>>| -> Vec<IpAddr> {
         list.into_iter().flatten().filter_map(|s| s.parse().ok()).collect()
     };
+    let external_ips = parse_ips(spec.external_ips.as_ref());
     let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
-    let load_balancer_ips: Vec<Ipv4Addr> = if is_lb {
+    let load_balancer_ips: Vec<IpAddr> = if is_lb {
         svc.status
             .as_ref()
             .and_then(|s| s.load_balancer.as_ref())
@@ -47,11 +50,11 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
     } else {
         Vec::new()
     };
-    let source_ranges: Vec<Ipv4Net> = spec
+    let source_ranges: Vec<IpNet> = spec
         .load_balancer_source_ranges
         .iter()
         .flatten()
-        .filter_map(|r| r.trim().parse::<Ipv4Net>().ok().map(|n| n.trunc()))
+        .filter_map(|r| r.trim().parse::<IpNet>().ok().map(|n| n.trunc()))
         .collect();
     let affinity = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
         spec.session_affinity_config
@@ -62,26 +65,34 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
             .unwrap_or(DEFAULT_AFFINITY_SECONDS)
     });
     let service = ServiceName { namespace: namespace.clone(), name: name.clone() };
-    spec.ports
-        .iter()
-        .flatten()
-        .filter_map(|p| {
-            let protocol = Protocol::from_k8s(p.protocol.as_deref())?;
-            Some(ServicePort {
+    let mut ports = Vec::new();
+    // "None" (headless) does not parse, so headless Services yield nothing.
+    for cluster_ip in cluster_ips {
+        let family = IpFamily::of(&cluster_ip);
+        let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> { ips.iter().copied().filter(|ip| family.holds(ip)).collect() };
+        let ranges: Vec<IpNet> = source_ranges.iter().copied().filter(|n| IpFamily::of_net(n) == family).collect();
+        let source_ranges_other_family = ranges.is_empty() && !source_ranges.is_empty();
+        for p in spec.ports.iter().flatten() {
+            let (Some(protocol), Ok(port)) = (Protocol::from_k8s(p.protocol.as_deref()), u16::try_from(p.port)) else {
+                continue;
+            };
+            ports.push(ServicePort {
                 name: ServicePortName { service: service.clone(), port_name: p.name.clone().unwrap_or_default(), protocol },
                 cluster_ip,
-                port: u16::try_from(p.port).ok()?,
+                port,
                 node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0),
-                external_ips: parse_v4(spec.external_ips.as_ref()),
-                load_balancer_ips: load_balancer_ips.clone(),
-                load_balancer_source_ranges: source_ranges.clone(),
+                external_ips: of_family(&external_ips),
+                load_balancer_ips: of_family(&load_balancer_ips),
+                load_balancer_source_ranges: ranges.clone(),
+                source_ranges_other_family,
                 affinity_timeout_seconds: affinity,
                 external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
                 internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
                 health_check_node_port: spec.health_check_node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0),
-            })
-        })
-        .collect()
+            });
+        }
+    }
+    ports
 }
 
 /// The Service an EndpointSlice belongs to (label `kubernetes.io/service-name`).
@@ -92,11 +103,17 @@ pub fn slice_service(slice: &EndpointSlice) -> Option<ServiceName> {
     })
 }
 
-/// Endpoints of an IPv4 EndpointSlice per `(port name, protocol)`.
+/// The family of an EndpointSlice (`None` for FQDN slices, which proxies ignore).
+pub fn slice_family(slice: &EndpointSlice) -> Option<IpFamily> {
+    IpFamily::ALL.into_iter().find(|f| f.k8s_name() == slice.address_type)
+}
+
+/// Endpoints of an IPv4 or IPv6 EndpointSlice per `(port name, protocol)`; addresses not of the
+/// slice's family are dropped.
 pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<Endpoint>)> {
-    if slice.address_type != "IPv4" {
+    let Some(family) = slice_family(slice) else {
         return Vec::new();
-    }
+    };
     let ports = slice.ports.iter().flatten().filter_map(|p| {
         Some(((p.name.clone().unwrap_or_default(), Protocol::from_k8s(p.protocol.as_deref())?), u16::try_from(p.port?).ok()?))
     });
@@ -118,7 +135,7 @@ pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<En
                         .flatten()
                         .map(|z| z.name.clone())
                         .collect();
-                    e.addresses.iter().filter_map(move |a| a.parse::<Ipv4Addr>().ok()).map(move |ip| Endpoint {
+                    e.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()).filter(move |ip| family.holds(ip)).map(move |ip| Endpoint {
                         ip,
                         port,
                         ready,

@@ -1,6 +1,7 @@
 //! The shared service model (kube-proxy's `pkg/proxy` root, sans IO): service ports, endpoints,
 //! change tracking and endpoint categorisation. No Kubernetes types leak out of here: [`convert`]
-//! turns Services and EndpointSlices into model values; backends see only [`Snapshot`].
+//! turns Services and EndpointSlices into model values; backends see only a [`DualSnapshot`]: one
+//! [`Snapshot`] per IP family, as kube-proxy runs one proxier per family.
 
 pub mod convert;
 pub mod tracker;
@@ -8,10 +9,54 @@ pub mod tracker;
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
-pub use ipnet::Ipv4Net;
+pub use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+
+/// An IP family. Every address in a [`Snapshot`] is of its family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum IpFamily {
+    /// IPv4.
+    #[default]
+    V4,
+    /// IPv6.
+    V6,
+}
+
+impl IpFamily {
+    /// Both families, IPv4 first.
+    pub const ALL: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+    /// The family of `ip`.
+    pub fn of(ip: &IpAddr) -> Self {
+        if ip.is_ipv4() { IpFamily::V4 } else { IpFamily::V6 }
+    }
+
+    /// The family of `net`.
+    pub fn of_net(net: &IpNet) -> Self {
+        Self::of(&net.addr())
+    }
+
+    /// Whether `ip` is of this family.
+    pub fn holds(self, ip: &IpAddr) -> bool {
+        Self::of(ip) == self
+    }
+
+    /// The Kubernetes spelling (`IPv4`, `IPv6`), as in `ipFamilies` and EndpointSlice `addressType`.
+    pub fn k8s_name(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        }
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.k8s_name())
+    }
+}
 
 /// Transport protocol of a service port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -96,18 +141,22 @@ impl fmt::Display for ServicePortName {
 pub struct ServicePort {
     /// Identity.
     pub name: ServicePortName,
-    /// ClusterIP (IPv4).
-    pub cluster_ip: Ipv4Addr,
+    /// ClusterIP of this port's family (a dual-stack Service has one port per family).
+    pub cluster_ip: IpAddr,
     /// Service port.
     pub port: u16,
     /// NodePort, for NodePort and LoadBalancer Services.
     pub node_port: Option<u16>,
-    /// `spec.externalIPs`.
-    pub external_ips: Vec<Ipv4Addr>,
-    /// `status.loadBalancer.ingress[].ip`.
-    pub load_balancer_ips: Vec<Ipv4Addr>,
-    /// `spec.loadBalancerSourceRanges` (empty: any source).
-    pub load_balancer_source_ranges: Vec<Ipv4Net>,
+    /// `spec.externalIPs` of this family.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` of this family.
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges` of this family (empty: any source — but see
+    /// [`ServicePort::source_ranges_other_family`]).
+    pub load_balancer_source_ranges: Vec<IpNet>,
+    /// Whether the Service has source ranges of the other family only: then no source of this
+    /// family is allowed (kube-proxy drops it rather than opening the port to everyone).
+    pub source_ranges_other_family: bool,
     /// ClientIP session affinity timeout in seconds; `None` without affinity.
     pub affinity_timeout_seconds: Option<u32>,
     /// `externalTrafficPolicy: Local`.
@@ -119,6 +168,16 @@ pub struct ServicePort {
 }
 
 impl ServicePort {
+    /// The family of this port's addresses.
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(&self.cluster_ip)
+    }
+
+    /// Whether the LoadBalancer IPs are restricted to source ranges.
+    pub fn has_source_ranges(&self) -> bool {
+        !self.load_balancer_source_ranges.is_empty() || self.source_ranges_other_family
+    }
+
     /// Whether the port has destinations outside the cluster (NodePort, external or LB IPs).
     pub fn externally_accessible(&self) -> bool {
         self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
@@ -128,8 +187,8 @@ impl ServicePort {
 /// One endpoint of a service port, from an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
-    /// Address (IPv4).
-    pub ip: Ipv4Addr,
+    /// Address (of the slice's family).
+    pub ip: IpAddr,
     /// Target port.
     pub port: u16,
     /// `conditions.ready` (absent counts as ready).
@@ -144,13 +203,70 @@ pub struct Endpoint {
     pub zone_hints: Vec<String>,
 }
 
-/// The state a backend programs: every service port and its endpoints.
+/// The state of one IP family a backend programs: every service port and its endpoints.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Snapshot {
+    /// The family of every address in here.
+    pub family: IpFamily,
     /// Service ports by name.
     pub services: BTreeMap<ServicePortName, ServicePort>,
     /// Endpoints by service port, sorted and de-duplicated.
     pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+}
+
+impl Snapshot {
+    /// An empty snapshot of `family`.
+    pub fn new(family: IpFamily) -> Self {
+        Self { family, ..Default::default() }
+    }
+}
+
+/// What a sync programs: one [`Snapshot`] per family.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DualSnapshot {
+    /// IPv4 services and endpoints.
+    pub v4: Snapshot,
+    /// IPv6 services and endpoints.
+    pub v6: Snapshot,
+}
+
+impl Default for DualSnapshot {
+    fn default() -> Self {
+        Self { v4: Snapshot::new(IpFamily::V4), v6: Snapshot::new(IpFamily::V6) }
+    }
+}
+
+impl DualSnapshot {
+    /// The snapshot of `family`.
+    pub fn get(&self, family: IpFamily) -> &Snapshot {
+        match family {
+            IpFamily::V4 => &self.v4,
+            IpFamily::V6 => &self.v6,
+        }
+    }
+
+    /// The snapshot of `family`, mutably.
+    pub fn get_mut(&mut self, family: IpFamily) -> &mut Snapshot {
+        match family {
+            IpFamily::V4 => &mut self.v4,
+            IpFamily::V6 => &mut self.v6,
+        }
+    }
+
+    /// Both snapshots, IPv4 first.
+    pub fn families(&self) -> [&Snapshot; 2] {
+        [&self.v4, &self.v6]
+    }
+}
+
+impl From<Snapshot> for DualSnapshot {
+    /// A dual snapshot with `snapshot` in its family and nothing in the other.
+    fn from(snapshot: Snapshot) -> Self {
+        let mut dual = DualSnapshot::default();
+        let family = snapshot.family;
+        *dual.get_mut(family) = snapshot;
+        dual
+    }
 }
 
 /// What changed since the last sync.
@@ -165,8 +281,8 @@ pub struct Changes {
 pub struct NodeInfo {
     /// Node name.
     pub name: String,
-    /// Node's primary IPv4 addresses (InternalIP).
-    pub addresses: Vec<Ipv4Addr>,
+    /// Node's InternalIP addresses (one per family on dual-stack nodes).
+    pub addresses: Vec<IpAddr>,
     /// Zone label (`topology.kubernetes.io/zone`), for topology hints.
     pub zone: Option<String>,
 }
@@ -224,15 +340,16 @@ pub mod fixtures {
     }
 
     /// A plain ClusterIP service port (no NodePort, external IPs, affinity or Local policies).
-    pub fn cluster_ip(name: ServicePortName, cluster_ip: Ipv4Addr, port: u16) -> ServicePort {
+    pub fn cluster_ip(name: ServicePortName, cluster_ip: impl Into<IpAddr>, port: u16) -> ServicePort {
         ServicePort {
             name,
-            cluster_ip,
+            cluster_ip: cluster_ip.into(),
             port,
             node_port: None,
             external_ips: vec![],
             load_balancer_ips: vec![],
             load_balancer_source_ranges: vec![],
+            source_ranges_other_family: false,
             affinity_timeout_seconds: None,
             external_policy_local: false,
             internal_policy_local: false,
@@ -241,12 +358,58 @@ pub mod fixtures {
     }
 
     /// A ready endpoint on `node`.
-    pub fn ready(ip: Ipv4Addr, port: u16, node: &str) -> Endpoint {
-        Endpoint { ip, port, ready: true, serving: true, terminating: false, node_name: Some(node.into()), zone_hints: vec![] }
+    pub fn ready(ip: impl Into<IpAddr>, port: u16, node: &str) -> Endpoint {
+        Endpoint { ip: ip.into(), port, ready: true, serving: true, terminating: false, node_name: Some(node.into()), zone_hints: vec![] }
     }
 
-    /// Adds a service port and its endpoints (sorted, as the tracker keeps them) to a snapshot.
+    /// The IPv6 twin of an IPv4 address: `a.b.c.d` becomes `fd00::a:b:c:d` (each octet in its own
+    /// group, spelled with the same digits), so IPv6 test data reads like the IPv4 original.
+    pub fn ipv6_twin(ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(a) => {
+                let [a, b, c, d] = a.octets();
+                format!("fd00::{a}:{b}:{c}:{d}").parse().unwrap_or(ip)
+            }
+            v6 => v6,
+        }
+    }
+
+    /// The twin of an IPv4 network: the same addresses' twins (a `/8k+r` prefix fixes `k` groups
+    /// and `r` bits of the next octet, which sits in the low byte of its group).
+    pub fn ipv6_twin_net(net: IpNet) -> IpNet {
+        let (k, r) = (net.prefix_len() / 8, net.prefix_len() % 8);
+        let len = 64 + 16 * k + if r > 0 { 8 + r } else { 0 };
+        IpNet::new(ipv6_twin(net.network()), len).map(|n| n.trunc()).unwrap_or(net)
+    }
+
+    /// The IPv6 twin of an IPv4 snapshot: every address replaced by its [`ipv6_twin`].
+    pub fn ipv6_twin_snapshot(v4: &Snapshot) -> Snapshot {
+        let mut v6 = Snapshot::new(IpFamily::V6);
+        for (name, port) in &v4.services {
+            let mut p = port.clone();
+            p.cluster_ip = ipv6_twin(p.cluster_ip);
+            p.external_ips = p.external_ips.iter().copied().map(ipv6_twin).collect();
+            p.load_balancer_ips = p.load_balancer_ips.iter().copied().map(ipv6_twin).collect();
+            p.load_balancer_source_ranges = p.load_balancer_source_ranges.iter().copied().map(ipv6_twin_net).collect();
+            v6.services.insert(name.clone(), p);
+        }
+        for (name, eps) in &v4.endpoints {
+            let mut eps: Vec<Endpoint> = eps.iter().cloned().map(|e| Endpoint { ip: ipv6_twin(e.ip), ..e }).collect();
+            eps.sort();
+            v6.endpoints.insert(name.clone(), eps);
+        }
+        v6
+    }
+
+    /// A dual-stack snapshot: `v4` and its IPv6 twin.
+    pub fn with_ipv6_twin(v4: &Snapshot) -> DualSnapshot {
+        DualSnapshot { v4: v4.clone(), v6: ipv6_twin_snapshot(v4) }
+    }
+
+    /// Adds a service port and its endpoints (sorted, as the tracker keeps them) to a snapshot
+    /// (of the port's family).
     pub fn add(snapshot: &mut Snapshot, port: ServicePort, mut endpoints: Vec<Endpoint>) {
+        snapshot.family = port.family();
         endpoints.sort();
         if !endpoints.is_empty() {
             snapshot.endpoints.insert(port.name.clone(), endpoints);

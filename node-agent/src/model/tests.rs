@@ -3,11 +3,13 @@
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::json;
 
+use std::net::{IpAddr, Ipv4Addr};
+
 use super::{tracker::Tracker, *};
 
 fn ep(ip: [u8; 4], node: &str, ready: bool, serving: bool, terminating: bool) -> Endpoint {
     Endpoint {
-        ip: Ipv4Addr::from(ip),
+        ip: Ipv4Addr::from(ip).into(),
         port: 80,
         ready,
         serving,
@@ -28,7 +30,8 @@ fn categorize_prefers_ready_then_serving_terminating() {
     let t1 = ep([10, 0, 0, 3], "a", false, true, true);
     let t2 = ep([10, 0, 0, 4], "b", false, false, true); // not serving: never used
     let n1 = ep([10, 0, 0, 5], "a", false, false, false); // not ready, not terminating
-    let ips = |v: &[&Endpoint]| v.iter().map(|e| e.ip.octets()[3]).collect::<Vec<_>>();
+    let last_octet = |ip: &IpAddr| if let IpAddr::V4(a) = ip { a.octets()[3] } else { 0 };
+    let ips = |v: &[&Endpoint]| v.iter().map(|e| last_octet(&e.ip)).collect::<Vec<_>>();
     let cases: Vec<(Vec<Endpoint>, &str, Vec<u8>, Vec<u8>, bool)> = vec![
         (vec![r1.clone(), r2.clone(), t1.clone()], "a", vec![1, 2], vec![1], true),
         (vec![r2.clone(), t1.clone()], "a", vec![2], vec![3], true), // local falls back independently
@@ -84,7 +87,8 @@ fn conversion_skips_what_kube_proxy_skips() {
     let cases = [
         ("headless", json!({"spec": {"clusterIP": "None"}}), None, 0),
         ("external name", json!({"spec": {"type": "ExternalName"}}), None, 0),
-        ("ipv6 only", json!({"spec": {"clusterIP": "fd00::10"}}), None, 0),
+        ("ipv6 only: served by the IPv6 family", json!({"spec": {"clusterIP": "fd00::10"}}), None, 2),
+        ("headless dual-stack", json!({"spec": {"clusterIP": "None", "clusterIPs": ["None"]}}), None, 0),
         ("other proxy", json!({"metadata": {"labels": {"service.kubernetes.io/service-proxy-name": "other"}}}), None, 0),
         ("our proxy", json!({"metadata": {"labels": {"service.kubernetes.io/service-proxy-name": "swy"}}}), Some("swy"), 2),
         ("unlabelled, named proxy", json!({}), Some("swy"), 0),
@@ -107,8 +111,8 @@ fn conversion_reads_policies_affinity_and_lb() {
     assert_eq!(ports.len(), 1);
     let p = &ports[0];
     assert_eq!(p.node_port, Some(30080));
-    assert_eq!(p.external_ips, vec![Ipv4Addr::new(192, 0, 2, 7)]);
-    assert_eq!(p.load_balancer_ips, vec![Ipv4Addr::new(192, 0, 2, 100)]);
+    assert_eq!(p.external_ips, vec![IpAddr::from([192, 0, 2, 7])]);
+    assert_eq!(p.load_balancer_ips, vec![IpAddr::from([192, 0, 2, 100])]);
     assert_eq!(p.load_balancer_source_ranges.iter().map(|n| n.to_string()).collect::<Vec<_>>(), ["203.0.113.0/25", "198.51.100.0/24"]);
     assert_eq!(p.affinity_timeout_seconds, Some(convert::DEFAULT_AFFINITY_SECONDS));
     assert!(p.external_policy_local && p.internal_policy_local);
@@ -117,9 +121,10 @@ fn conversion_reads_policies_affinity_and_lb() {
 }
 
 fn slice(name: &str, addrs: &[&str], ready: bool) -> EndpointSlice {
+    let family = if addrs.iter().any(|a| a.contains(':')) { "IPv6" } else { "IPv4" };
     serde_json::from_value(json!({
         "metadata": {"namespace": "ns", "name": name, "labels": {"kubernetes.io/service-name": "web"}},
-        "addressType": "IPv4",
+        "addressType": family,
         "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
         "endpoints": addrs.iter().map(|a| json!({"addresses": [a], "conditions": {"ready": ready}, "nodeName": "n1"})).collect::<Vec<_>>(),
     }))
@@ -135,11 +140,12 @@ fn tracker_merges_slices_and_tracks_changed_services() {
     assert!(t.synced());
     let changes = t.take_changes();
     assert_eq!(changes.services.len(), 1);
-    let snap = t.snapshot();
+    let snap = t.snapshot().v4;
     assert_eq!(snap.services.len(), 2);
     let http = snap.services.keys().find(|k| k.port_name == "http").expect("http").clone();
     assert_eq!(snap.endpoints[&http].len(), 2, "merged across slices, deduplicated");
     assert!(snap.endpoints.keys().all(|k| k.port_name == "http"), "no endpoints for the dns port");
+    assert!(t.snapshot().v6.services.is_empty(), "a single-stack IPv4 Service has no IPv6 ports");
 
     // No-op updates are not changes; real ones are.
     assert!(!t.apply_slice(&slice("web-a", &["10.244.1.11"], true)));
@@ -149,6 +155,37 @@ fn tracker_merges_slices_and_tracks_changed_services() {
     t.take_changes();
     assert!(t.delete_service("ns", "web"));
     assert!(t.take_changes().services.contains(&ServiceName { namespace: "ns".into(), name: "web".into() }));
-    assert!(t.snapshot().services.is_empty());
+    assert!(t.snapshot().v4.services.is_empty());
     assert!(!t.delete_service("ns", "web"));
+}
+
+#[test]
+fn dual_stack_services_yield_one_port_per_family_and_slices_sort_by_family() {
+    let svc = service(json!({
+        "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00:10:96::10"],
+                 "ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack",
+                 "externalIPs": ["192.0.2.7", "2001:db8::7"], "loadBalancerSourceRanges": ["203.0.113.0/25"],
+                 "ports": [{"name": "http", "port": 80, "nodePort": 30080}]},
+        "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.100"}, {"ip": "2001:db8::100"}]}}
+    }));
+    let ports = convert::service_ports(&svc, None);
+    assert_eq!(ports.len(), 2);
+    let (v4, v6) = (&ports[0], &ports[1]);
+    assert_eq!((v4.family(), v6.family()), (IpFamily::V4, IpFamily::V6));
+    assert_eq!(v6.cluster_ip.to_string(), "fd00:10:96::10");
+    assert_eq!(v4.external_ips, vec![IpAddr::from([192, 0, 2, 7])]);
+    assert_eq!(v6.external_ips.iter().map(ToString::to_string).collect::<Vec<_>>(), ["2001:db8::7"]);
+    assert_eq!(v6.load_balancer_ips.iter().map(ToString::to_string).collect::<Vec<_>>(), ["2001:db8::100"]);
+    // Source ranges of one family only: the other family's LB IPs are closed, not opened to all.
+    assert!(!v4.source_ranges_other_family && v4.has_source_ranges());
+    assert!(v6.load_balancer_source_ranges.is_empty() && v6.source_ranges_other_family && v6.has_source_ranges());
+
+    let mut t = Tracker::new(None);
+    t.reset_services(&[svc]);
+    t.reset_slices(&[slice("web-v4", &["10.244.1.11"], true), slice("web-v6", &["fd00:10:244:1::11", "10.244.9.9"], true)]);
+    let snap = t.snapshot();
+    let http = snap.v4.services.keys().next().expect("v4 port").clone();
+    assert_eq!(snap.v4.endpoints[&http].iter().map(|e| e.ip.to_string()).collect::<Vec<_>>(), ["10.244.1.11"]);
+    // The IPv6 slice's stray IPv4 address is dropped, not mixed into either family.
+    assert_eq!(snap.v6.endpoints[&http].iter().map(|e| e.ip.to_string()).collect::<Vec<_>>(), ["fd00:10:244:1::11"]);
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
-use super::{Changes, Endpoint, Protocol, ServiceName, ServicePort, Snapshot, convert};
+use super::{Changes, DualSnapshot, Endpoint, IpFamily, Protocol, ServiceName, ServicePort, convert};
 
 type SliceKey = (String, String);
 type SliceEndpoints = Vec<((String, Protocol), Vec<Endpoint>)>;
@@ -133,26 +133,32 @@ impl Tracker {
         Changes { services: std::mem::take(&mut self.changed) }
     }
 
-    /// The full current state.
-    pub fn snapshot(&self) -> Snapshot {
-        let mut snap = Snapshot::default();
+    /// The full current state, per family: a dual-stack Service's ports go to both snapshots, and
+    /// each endpoint to the snapshot of its address family.
+    pub fn snapshot(&self) -> DualSnapshot {
+        let mut dual = DualSnapshot::default();
         for ports in self.services.values() {
             for port in ports {
-                snap.services.insert(port.name.clone(), port.clone());
+                dual.get_mut(port.family()).services.insert(port.name.clone(), port.clone());
             }
         }
         for (service, per_port) in self.slices.values() {
             for ((port_name, protocol), eps) in per_port {
                 let key = super::ServicePortName { service: service.clone(), port_name: port_name.clone(), protocol: *protocol };
+                // A slice holds one family; its endpoints sort into that family's snapshot.
+                let Some(family) = eps.first().map(|e| IpFamily::of(&e.ip)) else { continue };
+                let snap = dual.get_mut(family);
                 if snap.services.contains_key(&key) {
                     snap.endpoints.entry(key).or_default().extend(eps.iter().cloned());
                 }
             }
         }
-        for eps in snap.endpoints.values_mut() {
-            eps.sort();
-            eps.dedup_by(|a, b| a.ip == b.ip && a.port == b.port);
+        for snap in [&mut dual.v4, &mut dual.v6] {
+            for eps in snap.endpoints.values_mut() {
+                eps.sort();
+                eps.dedup_by(|a, b| a.ip == b.ip && a.port == b.port);
+            }
         }
-        snap
+        dual
     }
 }

@@ -4,6 +4,8 @@
 
 use std::str::FromStr;
 
+use crate::model::IpFamily;
+
 /// Seconds to wait for the xtables lock (`-w`).
 const LOCK_WAIT_SECONDS: &str = "5";
 
@@ -124,17 +126,40 @@ struct Finished {
     stderr: String,
 }
 
-/// Runner of one variant's tools, optionally inside a network namespace.
+/// Runner of one variant's tools for one IP family (`iptables*` or `ip6tables*`), optionally
+/// inside a network namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Iptables {
     variant: Variant,
     netns: Option<String>,
+    family: IpFamily,
 }
 
 impl Iptables {
-    /// Tools of `variant`; with `netns`, every command runs as `ip netns exec NETNS ...`.
+    /// IPv4 tools of `variant`; with `netns`, every command runs as `ip netns exec NETNS ...`.
     pub fn new(variant: Variant, netns: Option<String>) -> Self {
-        Self { variant, netns }
+        Self { variant, netns, family: IpFamily::V4 }
+    }
+
+    /// The same tools for `family` (`ip6tables*` for IPv6).
+    pub fn for_family(mut self, family: IpFamily) -> Self {
+        self.family = family;
+        self
+    }
+
+    /// The IP family whose tables the tools edit.
+    pub fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    /// The binary of `tool` (`iptables`, `iptables-save`, `iptables-restore`) for this variant and
+    /// family, e.g. `ip6tables-legacy-restore`.
+    pub fn binary(&self, tool: &str) -> String {
+        let binary = self.variant.binary(tool);
+        match self.family {
+            IpFamily::V4 => binary,
+            IpFamily::V6 => binary.strip_prefix("ip").map_or(binary.clone(), |rest| format!("ip6{rest}")),
+        }
     }
 
     /// The variant.
@@ -154,7 +179,7 @@ impl Iptables {
         args: &[&str],
         stdin: Option<&str>,
     ) -> Result<(String, Finished), IptablesError> {
-        let binary = self.variant.binary(tool);
+        let binary = self.binary(tool);
         let mut argv: Vec<&str> = Vec::with_capacity(args.len() + 4);
         if let Some(ns) = &self.netns {
             argv.extend(["netns", "exec", ns.as_str()]);
@@ -296,7 +321,7 @@ impl Iptables {
             .unwrap_or_default();
         format!(
             "{prefix}{} -t {} {op} {chain} {}",
-            self.variant.binary("iptables"),
+            self.binary("iptables"),
             table.as_str(),
             spec.join(" ")
         )
@@ -367,6 +392,9 @@ mod tests {
         );
         assert_eq!(Variant::Nft.binary("iptables"), "iptables-nft");
         assert_eq!(Variant::Nft.binary("iptables-save"), "iptables-nft-save");
+        let v6 = Iptables::new(Variant::Legacy, None).for_family(IpFamily::V6);
+        assert_eq!(v6.binary("iptables-restore"), "ip6tables-legacy-restore");
+        assert_eq!(v6.binary("iptables"), "ip6tables-legacy");
     }
 
     #[test]

@@ -82,19 +82,20 @@ pub fn apply(batch: crate::backend::nftables::encode::Batch) -> Result<std::resu
     })
 }
 
-/// Names of objects in our table from a dump (`GETCHAIN` or `GETSET`); empty if the table is absent.
-pub fn list(msg: crate::backend::nftables::encode::Msg) -> Result<Vec<String>> {
+/// Names of objects in our table of `family` from a dump (`GETCHAIN` or `GETSET`); empty if the
+/// table is absent.
+pub fn list(family: crate::model::IpFamily, msg: crate::backend::nftables::encode::Msg) -> Result<Vec<String>> {
     use crate::backend::nftables::encode;
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let replies = transport.dump(&encode::dump_request(msg, 1))?;
+    let replies = transport.dump(&encode::dump_request(family, msg, 1))?;
     let parse = if msg == encode::Msg::GetSet { encode::set_name } else { encode::chain_name };
     Ok(replies.iter().filter(|r| r.error.is_none()).filter_map(|r| parse(&r.payload)).collect())
 }
 
-/// Whether our table exists.
-pub fn table_exists() -> Result<bool> {
+/// Whether our table of `family` exists.
+pub fn table_exists(family: crate::model::IpFamily) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let replies = transport.request(&crate::backend::nftables::encode::get_table_request(1), &[1])?;
+    let replies = transport.request(&crate::backend::nftables::encode::get_table_request(family, 1), &[1])?;
     Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
 }
 

@@ -9,6 +9,9 @@
 //! exist is read with `iptables-save` on full syncs and tracked in memory in between; any failure
 //! makes the next sync full.
 //!
+//! IPv4 goes through `iptables-*`, IPv6 through `ip6tables-*` of the same variant, each with its
+//! own snapshot and chain tracking; a sync does IPv4 first, then IPv6.
+//!
 //! All processes are run by [`crate::sys::iptables`].
 
 pub mod render;
@@ -21,7 +24,7 @@ use std::collections::BTreeSet;
 use switchyard_crds::v1alpha1::ProxyMode;
 
 use crate::backend::{Backend, BackendError, Settings, SyncStats};
-use crate::model::{Changes, Snapshot};
+use crate::model::{Changes, DualSnapshot, IpFamily, ServiceName, Snapshot};
 use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
 
 use render::{CHAIN_PREFIX, EXTERNAL_SERVICES, FORWARD, NODEPORTS, POSTROUTING, PROXY_FIREWALL, SERVICES};
@@ -124,14 +127,23 @@ impl From<IptablesError> for BackendError {
 pub struct IptablesBackend {
     variant: Variant,
     settings: Settings,
+    /// `iptables` (IPv4) and `ip6tables` (IPv6).
+    families: [FamilyTables; 2],
+    /// Entry points off: no jump rules from built-in chains into ours.
+    bypassed: bool,
+}
+
+/// One family's tools and what we programmed with them.
+#[derive(Debug)]
+struct FamilyTables {
     ipt: Iptables,
     /// Our chains in the kernel after the last successful sync, per table.
     filter_chains: BTreeSet<String>,
     nat_chains: BTreeSet<String>,
+    /// Services with ports of this family after the last successful sync.
+    services: BTreeSet<ServiceName>,
     /// Set after a failure: the next sync is full whatever the caller asks.
     needs_full: bool,
-    /// Entry points off: no jump rules from built-in chains into ours.
-    bypassed: bool,
 }
 
 impl IptablesBackend {
@@ -143,15 +155,14 @@ impl IptablesBackend {
     /// A backend whose every command runs in network namespace `netns` (`ip netns exec`), or in
     /// the current one with `None`.
     pub fn with_netns(variant: Variant, settings: Settings, netns: Option<String>) -> Self {
-        Self {
-            variant,
-            settings,
-            ipt: Iptables::new(variant, netns),
+        let tables = |family| FamilyTables {
+            ipt: Iptables::new(variant, netns.clone()).for_family(family),
             filter_chains: BTreeSet::new(),
             nat_chains: BTreeSet::new(),
+            services: BTreeSet::new(),
             needs_full: true,
-            bypassed: false,
-        }
+        };
+        Self { variant, settings, families: IpFamily::ALL.map(tables), bypassed: false }
     }
 
     /// A backend for the variant named `"legacy"` or `"nft"`.
@@ -170,21 +181,24 @@ impl IptablesBackend {
         &self.settings
     }
 
-    /// Our (`SWY-*`) chains currently in `table`, read with `iptables-save`.
-    pub fn kernel_chains(&self, table: Table) -> Result<BTreeSet<String>, BackendError> {
-        Ok(own_chains(&self.ipt.save(table)?))
+    /// Our (`SWY-*`) chains currently in `table` of `family`, read with `iptables-save` or
+    /// `ip6tables-save`.
+    pub fn kernel_chains(&self, family: IpFamily, table: Table) -> Result<BTreeSet<String>, BackendError> {
+        Ok(own_chains(&self.families[family as usize].ipt.save(table)?))
     }
+}
 
-    /// Restore lines that bring the jump rules in line with the bypass state: `-I CHAIN 1 ...` for
-    /// missing ones (in reverse, so JUMP_RULES' order ends up at the top of each chain), or `-D ...`
-    /// for present ones when bypassed. Returns (filter lines, nat lines).
-    fn jump_edits(&self, filter_save: &str, nat_save: &str) -> (Vec<String>, Vec<String>) {
+/// Restore lines that bring the jump rules in line with the bypass state: `-I CHAIN 1 ...` for
+/// missing ones (in reverse, so JUMP_RULES' order ends up at the top of each chain), or `-D ...`
+/// for present ones when bypassed. Returns (filter lines, nat lines).
+fn jump_edits(bypassed: bool, filter_save: &str, nat_save: &str) -> (Vec<String>, Vec<String>) {
+    {
         let (mut filter, mut nat) = (Vec::new(), Vec::new());
         for rule in JUMP_RULES.iter().rev() {
             let save = if rule.table == Table::Filter { filter_save } else { nat_save };
             let present = save.lines().any(|l| l == rule.save_line());
             let prefix = format!("-A {} ", rule.chain);
-            let line = match (self.bypassed, present) {
+            let line = match (bypassed, present) {
                 (true, true) => Some(rule.save_line().replacen(&prefix, &format!("-D {} ", rule.chain), 1)),
                 (false, false) => Some(rule.save_line().replacen(&prefix, &format!("-I {} 1 ", rule.chain), 1)),
                 _ => None,
@@ -195,9 +209,13 @@ impl IptablesBackend {
         }
         (filter, nat)
     }
+}
 
+impl FamilyTables {
     fn sync_inner(
         &mut self,
+        settings: &Settings,
+        bypassed: bool,
         snapshot: &Snapshot,
         changes: &Changes,
         full: bool,
@@ -207,12 +225,17 @@ impl IptablesBackend {
         let (existing_filter, existing_nat, jumps) = if full {
             let filter_save = self.ipt.save(Table::Filter)?;
             let nat_save = self.ipt.save(Table::Nat)?;
-            let jumps = self.jump_edits(&filter_save, &nat_save);
+            let jumps = jump_edits(bypassed, &filter_save, &nat_save);
             (own_chains(&filter_save), own_chains(&nat_save), jumps)
         } else {
             (self.filter_chains.clone(), self.nat_chains.clone(), (Vec::new(), Vec::new()))
         };
-        let mut rendered = render::render(snapshot, &self.settings, if full { None } else { Some(changes) });
+        let in_snapshot = |s: &ServiceName| snapshot.services.keys().any(|k| &k.service == s);
+        if !full && !changes.services.iter().any(|s| in_snapshot(s) || self.services.contains(s)) {
+            // Nothing of this family changed (e.g. an IPv4-only Service, seen from ip6tables).
+            return Ok(SyncStats::default());
+        }
+        let mut rendered = render::render(snapshot, settings, if full { None } else { Some(changes) });
         let mut full = full;
         if !full {
             // Chains of unchanged services must already exist; otherwise our view is off: go full.
@@ -222,7 +245,7 @@ impl IptablesBackend {
                 .any(|c| !rendered.nat.chains.contains_key(c) && !existing_nat.contains(c));
             if missing {
                 full = true;
-                rendered = render::render(snapshot, &self.settings, None);
+                rendered = render::render(snapshot, settings, None);
             }
         }
         let stale_filter: BTreeSet<String> = existing_filter
@@ -241,6 +264,7 @@ impl IptablesBackend {
         let objects = rendered.objects() + stale_filter.len() + stale_nat.len() + jumps.0.len() + jumps.1.len();
         self.filter_chains = rendered.filter_chains.clone();
         self.nat_chains = rendered.nat_chains.clone();
+        self.services = snapshot.services.keys().map(|k| k.service.clone()).collect();
         Ok(SyncStats {
             full,
             services: rendered.services,
@@ -262,34 +286,21 @@ pub fn own_chains(save: &str) -> BTreeSet<String> {
         .collect()
 }
 
-impl Backend for IptablesBackend {
-    fn mode(&self) -> ProxyMode {
-        ProxyMode::Iptables
-    }
-
-    fn sync(
-        &mut self,
-        snapshot: &Snapshot,
-        changes: &Changes,
-        full: bool,
-    ) -> Result<SyncStats, BackendError> {
+impl FamilyTables {
+    fn sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
         let full = full || self.needs_full;
-        let result = self.sync_inner(snapshot, changes, full);
+        let result = self.sync_inner(settings, bypassed, snapshot, changes, full);
         self.needs_full = result.is_err();
         result
     }
 
     fn cleanup(&mut self) -> Result<(), BackendError> {
         self.needs_full = true;
-        let filter = self.kernel_chains(Table::Filter)?;
-        let nat = self.kernel_chains(Table::Nat)?;
+        let filter = own_chains(&self.ipt.save(Table::Filter)?);
+        let nat = own_chains(&self.ipt.save(Table::Nat)?);
         // A jump rule can only exist while its target chain does (and `-C` fails without it).
         for rule in &JUMP_RULES {
-            let chains = if rule.table == Table::Filter {
-                &filter
-            } else {
-                &nat
-            };
+            let chains = if rule.table == Table::Filter { &filter } else { &nat };
             if chains.contains(rule.target) {
                 self.ipt.remove_rule(rule.table, rule.chain, &rule.spec())?;
             }
@@ -301,36 +312,89 @@ impl Backend for IptablesBackend {
         }
         self.filter_chains.clear();
         self.nat_chains.clear();
+        self.services.clear();
         Ok(())
     }
 
-    fn render_text(&self, snapshot: &Snapshot) -> String {
-        render::render(snapshot, &self.settings, None).text()
-    }
-
     fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
-        self.bypassed = bypassed;
         if self.nat_chains.is_empty() && self.filter_chains.is_empty() {
             return Ok(()); // nothing programmed yet: the next full sync honours the flag
         }
-        let (filter, nat) = self.jump_edits(&self.ipt.save(Table::Filter)?, &self.ipt.save(Table::Nat)?);
+        let (filter, nat) = jump_edits(bypassed, &self.ipt.save(Table::Filter)?, &self.ipt.save(Table::Nat)?);
         if filter.is_empty() && nat.is_empty() {
             return Ok(());
         }
         // No chain declarations: with --noflush nothing but these lines changes.
-        let input = format!("*filter\n{}COMMIT\n*nat\n{}COMMIT\n",
+        let input = format!(
+            "*filter\n{}COMMIT\n*nat\n{}COMMIT\n",
             filter.iter().map(|l| format!("{l}\n")).collect::<String>(),
-            nat.iter().map(|l| format!("{l}\n")).collect::<String>());
+            nat.iter().map(|l| format!("{l}\n")).collect::<String>()
+        );
         self.ipt.restore(&input)?;
         Ok(())
     }
 
     fn verify(&self) -> Result<Vec<String>, BackendError> {
         let mut drift = Vec::new();
+        let tool = self.ipt.binary("iptables");
         for (table, ours) in [(Table::Filter, &self.filter_chains), (Table::Nat, &self.nat_chains)] {
-            let kernel = self.kernel_chains(table)?;
-            drift.extend(ours.difference(&kernel).map(|c| format!("chain {c} is missing")));
-            drift.extend(kernel.difference(ours).map(|c| format!("chain {c} is not ours to keep")));
+            let kernel = own_chains(&self.ipt.save(table)?);
+            drift.extend(ours.difference(&kernel).map(|c| format!("{tool}: chain {c} is missing")));
+            drift.extend(kernel.difference(ours).map(|c| format!("{tool}: chain {c} is not ours to keep")));
+        }
+        Ok(drift)
+    }
+}
+
+impl Backend for IptablesBackend {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+
+    fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+        let mut total: Option<SyncStats> = None;
+        for i in 0..self.families.len() {
+            let tables = &mut self.families[i];
+            let family = tables.ipt.family();
+            match tables.sync(&self.settings, self.bypassed, snapshot.get(family), changes, full) {
+                Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                Err(e) => {
+                    // The other family may have missed these changes too: both go full next time.
+                    for other in &mut self.families {
+                        other.needs_full = true;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(total.unwrap_or_default())
+    }
+
+    fn cleanup(&mut self) -> Result<(), BackendError> {
+        for tables in &mut self.families {
+            tables.cleanup()?;
+        }
+        Ok(())
+    }
+
+    fn render_text(&self, snapshot: &DualSnapshot) -> String {
+        let v4 = render::render(&snapshot.v4, &self.settings, None).text();
+        let v6 = render::render(&snapshot.v6, &self.settings, None).text();
+        format!("# iptables-restore input (IPv4)\n{v4}# ip6tables-restore input (IPv6)\n{v6}")
+    }
+
+    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
+        self.bypassed = bypassed;
+        for tables in &mut self.families {
+            tables.set_bypass(bypassed)?;
+        }
+        Ok(())
+    }
+
+    fn verify(&self) -> Result<Vec<String>, BackendError> {
+        let mut drift = Vec::new();
+        for tables in &self.families {
+            drift.extend(tables.verify()?);
         }
         Ok(drift)
     }

@@ -1,4 +1,6 @@
-//! The pure render of a [`Snapshot`] into `iptables-restore` input (tables `filter` and `nat`).
+//! The pure render of a [`Snapshot`] into `iptables-restore` input (tables `filter` and `nat`), or
+//! `ip6tables-restore` input for an IPv6 snapshot (same layout; `/128`, ICMPv6 rejects, IPv6
+//! masks and bracketed DNAT targets).
 //!
 //! Every rule is written exactly as `iptables-save` prints it back (argument order, `/32` suffixes,
 //! quoting of comments, `MARK --set-xmark`, `REJECT --reject-with ...`, `recent --mask ...
@@ -24,7 +26,28 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::backend::Settings;
 use crate::backend::names::{ipt_endpoint_chain, ipt_service_chain};
-use crate::model::{Changes, Endpoint, Snapshot, categorize};
+use crate::model::{Changes, Endpoint, IpFamily, Snapshot, categorize};
+
+/// The spellings that differ between `iptables-save` and `ip6tables-save`.
+struct Spelling {
+    /// Host prefix suffix (`/32`, `/128`).
+    host: &'static str,
+    /// REJECT for services without endpoints.
+    reject: &'static str,
+    /// `recent --mask` of a whole address.
+    mask: &'static str,
+}
+
+fn spelling(family: IpFamily) -> Spelling {
+    match family {
+        IpFamily::V4 => Spelling { host: "/32", reject: "REJECT --reject-with icmp-port-unreachable", mask: "255.255.255.255" },
+        IpFamily::V6 => Spelling {
+            host: "/128",
+            reject: "REJECT --reject-with icmp6-port-unreachable",
+            mask: "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        },
+    }
+}
 
 /// Prefix of every chain this backend owns.
 pub const CHAIN_PREFIX: &str = "SWY-";
@@ -274,8 +297,9 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
             format!("{np_comment} -m addrtype --dst-type LOCAL -j {NODEPORTS}"),
         ),
         Some(addresses) => {
-            for ip in addresses {
-                nat.add(SERVICES, format!("-d {ip}/32 {np_comment} -j {NODEPORTS}"));
+            let host = spelling(snapshot.family).host;
+            for ip in addresses.iter().filter(|a| snapshot.family.holds(a)) {
+                nat.add(SERVICES, format!("-d {ip}{host} {np_comment} -j {NODEPORTS}"));
             }
         }
     }
@@ -307,6 +331,8 @@ fn render_service(
     let svc = name.to_string();
     let proto = name.protocol.as_str();
     let cat = categorize(eps, &settings.node);
+    let family = sp.family();
+    let Spelling { host, reject, mask } = spelling(family);
 
     // kube-proxy's UsesClusterEndpoints / UsesLocalEndpoints.
     let external = sp.externally_accessible();
@@ -344,25 +370,20 @@ fn render_service(
         has_endpoints
     };
     let uses_ext = has_endpoints && external;
-    let uses_fw =
-        has_endpoints && !sp.load_balancer_ips.is_empty() && !sp.load_balancer_source_ranges.is_empty();
+    let uses_fw = has_endpoints && !sp.load_balancer_ips.is_empty() && sp.has_source_ranges();
     let lb_chain = if uses_fw { &fw_chain } else { &ext_chain };
 
     // What filter does with traffic we cannot (or must not) forward.
     let (internal_target, external_target, filter_comment) = if !has_endpoints {
-        (
-            "REJECT --reject-with icmp-port-unreachable",
-            "REJECT --reject-with icmp-port-unreachable",
-            format!("{svc} has no endpoints"),
-        )
+        (reject, reject, format!("{svc} has no endpoints"))
     } else {
         ("DROP", "DROP", format!("{svc} has no local endpoints"))
     };
     let filter_comment = comment(&filter_comment);
     let port = sp.port;
     // `-d IP/32 -p P -m comment --comment C -m P --dport PORT`
-    let dest = |ip: &std::net::Ipv4Addr, text: &str, dport: u16| {
-        format!("-d {ip}/32 -p {proto} {text} -m {proto} --dport {dport}")
+    let dest = |ip: &std::net::IpAddr, text: &str, dport: u16| {
+        format!("-d {ip}{host} -p {proto} {text} -m {proto} --dport {dport}")
     };
 
     // Cluster IP.
@@ -376,7 +397,7 @@ fn render_service(
         let masq_spec = dest(&sp.cluster_ip, &text, port);
         if settings.masquerade_all {
             own.add(internal_chain, format!("{masq_spec} -j {MARK_MASQ}"));
-        } else if let Some(cidr) = settings.cluster_cidr {
+        } else if let Some(cidr) = settings.cluster_cidr(family) {
             own.add(
                 internal_chain,
                 format!("! -s {} {masq_spec} -j {MARK_MASQ}", cidr.trunc()),
@@ -470,7 +491,7 @@ fn render_service(
                 ),
             );
         } else {
-            if let Some(cidr) = settings.cluster_cidr {
+            if let Some(cidr) = settings.cluster_cidr(family) {
                 own.add(
                     &ext_chain,
                     format!(
@@ -513,7 +534,7 @@ fn render_service(
         }
         if allow_from_node {
             for ip in &sp.load_balancer_ips {
-                own.add(&fw_chain, format!("-s {ip}/32 {text} -j {ext_chain}"));
+                own.add(&fw_chain, format!("-s {ip}{host} {text} -j {ext_chain}"));
             }
         }
     }
@@ -534,16 +555,16 @@ fn render_service(
     for ep in reachable {
         let sep = ipt_endpoint_chain(name, ep);
         let text = comment(&svc);
-        own.add(&sep, format!("-s {}/32 {text} -j {MARK_MASQ}", ep.ip));
+        own.add(&sep, format!("-s {}{host} {text} -j {MARK_MASQ}", ep.ip));
         let affinity = match sp.affinity_timeout_seconds {
-            Some(_) => format!(" -m recent --set --name {sep} --mask 255.255.255.255 --rsource"),
+            Some(_) => format!(" -m recent --set --name {sep} --mask {mask} --rsource"),
             None => String::new(),
         };
         own.add(
             &sep,
             format!(
-                "-p {proto} {text}{affinity} -m {proto} -j DNAT --to-destination {}:{}",
-                ep.ip, ep.port
+                "-p {proto} {text}{affinity} -m {proto} -j DNAT --to-destination {}",
+                std::net::SocketAddr::new(ep.ip, ep.port)
             ),
         );
     }
@@ -557,14 +578,15 @@ fn endpoint_rules(
     chain: &str,
     endpoints: &[&Endpoint],
 ) {
+    let mask = spelling(sp.family()).mask;
     if let Some(timeout) = sp.affinity_timeout_seconds {
         for ep in endpoints {
             let sep = ipt_endpoint_chain(&sp.name, ep);
             own.add(
                 chain,
                 format!(
-                    "{} -m recent --rcheck --seconds {timeout} --reap --name {sep} --mask 255.255.255.255 --rsource -j {sep}",
-                    comment(&format!("{svc} -> {}:{}", ep.ip, ep.port))
+                    "{} -m recent --rcheck --seconds {timeout} --reap --name {sep} --mask {mask} --rsource -j {sep}",
+                    comment(&format!("{svc} -> {}", std::net::SocketAddr::new(ep.ip, ep.port)))
                 ),
             );
         }
@@ -572,7 +594,7 @@ fn endpoint_rules(
     let n = endpoints.len();
     for (i, ep) in endpoints.iter().enumerate() {
         let sep = ipt_endpoint_chain(&sp.name, ep);
-        let text = comment(&format!("{svc} -> {}:{}", ep.ip, ep.port));
+        let text = comment(&format!("{svc} -> {}", std::net::SocketAddr::new(ep.ip, ep.port)));
         if i + 1 < n {
             own.add(
                 chain,

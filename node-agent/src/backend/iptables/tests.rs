@@ -7,12 +7,12 @@
 //!   must leave no `SWY` string; for both the `legacy` and the `nft` variant.
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::process::Command;
 
 use super::render::{kernel_probability, probability, render, save_string};
 use super::*;
-use crate::model::{Endpoint, Ipv4Net, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName};
+use crate::model::{DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName};
 
 // ---------------------------------------------------------------------------------------------
 // Scenario
@@ -24,20 +24,25 @@ fn settings() -> Settings {
     Settings {
         node: NodeInfo {
             name: NODE.into(),
-            addresses: vec![Ipv4Addr::new(192, 168, 0, 10)],
+            addresses: vec![ip("192.168.0.10"), fixtures::ipv6_twin(ip("192.168.0.10"))],
             zone: None,
         },
-        cluster_cidr: Some(net("10.244.0.0/16")),
+        cluster_cidrs: vec![net("10.244.0.0/16"), fixtures::ipv6_twin_net(net("10.244.0.0/16"))],
         ..Settings::default()
     }
 }
 
-fn net(s: &str) -> Ipv4Net {
+fn net(s: &str) -> IpNet {
     s.parse().unwrap()
 }
 
-fn ip(s: &str) -> Ipv4Addr {
+fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
+}
+
+/// The dual-stack form of a scenario: the snapshot and its IPv6 twin.
+fn dual(snap: &Snapshot) -> DualSnapshot {
+    fixtures::with_ipv6_twin(snap)
 }
 
 fn spn(svc: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
@@ -200,7 +205,7 @@ fn scenario() -> Snapshot {
 /// Settings with restricted node-port addresses, masquerade-all and no cluster CIDR.
 fn variant_settings() -> Settings {
     Settings {
-        cluster_cidr: None,
+        cluster_cidrs: Vec::new(),
         masquerade_all: true,
         node_port_addresses: Some(vec![ip("192.168.0.10"), ip("192.168.1.10")]),
         ..settings()
@@ -276,6 +281,8 @@ fn check_golden(name: &str, actual: &str) {
 #[test]
 fn iptables_golden_full_scenario() {
     check_golden("scenario.rules", &render(&scenario(), &settings(), None).text());
+    // The same scenario over IPv6 (ip6tables-restore input).
+    check_golden("scenario6.rules", &render(&fixtures::ipv6_twin_snapshot(&scenario()), &settings(), None).text());
 }
 
 #[test]
@@ -483,8 +490,12 @@ fn iptables_jump_rule_lines() {
     let backend = IptablesBackend::new(Variant::Nft, settings());
     assert_eq!(backend.mode(), ProxyMode::Iptables);
     assert_eq!(
-        backend.render_text(&scenario()),
-        render(&scenario(), &settings(), None).text()
+        backend.render_text(&dual(&scenario())),
+        format!(
+            "# iptables-restore input (IPv4)\n{}# ip6tables-restore input (IPv6)\n{}",
+            render(&scenario(), &settings(), None).text(),
+            render(&fixtures::ipv6_twin_snapshot(&scenario()), &settings(), None).text()
+        )
     );
     assert!(IptablesBackend::from_variant_name("bogus", settings()).is_err());
     assert_eq!(
@@ -562,6 +573,12 @@ fn normalise(text: &str) -> String {
     out
 }
 
+/// The normalised full renders of `snap` and its IPv6 twin.
+fn render_pair(snap: &Snapshot) -> (String, String) {
+    let v6 = fixtures::ipv6_twin_snapshot(snap);
+    (normalise(&render(snap, &settings(), None).text()), normalise(&render(&v6, &settings(), None).text()))
+}
+
 fn kernel_text(ipt: &Iptables) -> String {
     let filter = ipt.save(Table::Filter).unwrap();
     let nat = ipt.save(Table::Nat).unwrap();
@@ -600,21 +617,29 @@ fn round_trip(variant: Variant, n: u32) {
     let started = std::time::Instant::now();
     let ns = Netns::create(n);
     let ipt = Iptables::new(variant, Some(ns.name.clone()));
+    let ipt6 = ipt.clone().for_family(IpFamily::V6);
     let mut backend = IptablesBackend::with_netns(variant, settings(), Some(ns.name.clone()));
+    // Both families' kernel state equals the render of the dual-stack form of `snap`.
+    let both = |snap: &Snapshot| (kernel_text(&ipt), kernel_text(&ipt6), render_pair(snap));
 
     // Cleanup when nothing was ever programmed.
     backend.cleanup().unwrap();
 
-    // Full sync: the kernel's listing of our chains is the golden text.
+    // Full sync: the kernel's listing of our chains is the golden text, in both families.
     let snap = scenario();
-    let stats = backend.sync(&snap, &Changes::default(), true).unwrap();
+    let stats = backend.sync(&dual(&snap), &Changes::default(), true).unwrap();
     assert!(stats.full);
-    assert_eq!(stats.services, 15);
+    assert_eq!(stats.services, 30);
     let golden = normalise(&read_golden("scenario.rules"));
     assert_eq!(
         kernel_text(&ipt),
         golden,
         "{variant}: kernel differs from golden after full sync"
+    );
+    assert_eq!(
+        kernel_text(&ipt6),
+        normalise(&read_golden("scenario6.rules")),
+        "{variant}: ip6tables differs from the IPv6 golden after full sync"
     );
     let save = whole_save(&ipt);
     for rule in &JUMP_RULES {
@@ -623,7 +648,7 @@ fn round_trip(variant: Variant, n: u32) {
     }
 
     // A second full sync changes nothing and does not duplicate jump rules.
-    backend.sync(&snap, &Changes::default(), true).unwrap();
+    backend.sync(&dual(&snap), &Changes::default(), true).unwrap();
     assert_eq!(kernel_text(&ipt), golden);
     assert_eq!(
         without_comments(&whole_save(&ipt)),
@@ -643,16 +668,12 @@ fn round_trip(variant: Variant, n: u32) {
         snap2.services.remove(k);
         snap2.endpoints.remove(k);
     }
-    let stats = backend.sync(&snap2, &changes(&["sticky"]), false).unwrap();
+    let stats = backend.sync(&dual(&snap2), &changes(&["sticky"]), false).unwrap();
     assert!(!stats.full);
-    let text = kernel_text(&ipt);
-    assert_eq!(
-        text,
-        normalise(&render(&snap2, &settings(), None).text()),
-        "{variant}: after deleting a service"
-    );
-    for chain in service_chains(&snap, "sticky") {
-        assert!(!text.contains(&chain), "{variant}: stale chain {chain} left");
+    let (text, text6, (want, want6)) = both(&snap2);
+    assert_eq!((&text, &text6), (&want, &want6), "{variant}: after deleting a service");
+    for chain in service_chains(&snap, "sticky").into_iter().chain(service_chains(&fixtures::ipv6_twin_snapshot(&snap), "sticky")) {
+        assert!(!text.contains(&chain) && !text6.contains(&chain), "{variant}: stale chain {chain} left");
     }
 
     // Partial sync: an endpoint is added to one service and removed from another.
@@ -667,29 +688,33 @@ fn round_trip(variant: Variant, n: u32) {
     if let Some(eps) = snap3.endpoints.get_mut(&np) {
         eps.truncate(1);
     }
-    let stats = backend.sync(&snap3, &changes(&["one", "np"]), false).unwrap();
+    let stats = backend.sync(&dual(&snap3), &changes(&["one", "np"]), false).unwrap();
     assert!(!stats.full);
-    assert_eq!(
-        kernel_text(&ipt),
-        normalise(&render(&snap3, &settings(), None).text()),
-        "{variant}: after endpoint changes"
-    );
+    let (text, text6, (want, want6)) = both(&snap3);
+    assert_eq!((text, text6), (want, want6), "{variant}: after endpoint changes");
 
-    // Cleanup removes everything, twice.
+    // A Service that leaves IPv6 (dual-stack -> single-stack IPv4) loses only its IPv6 rules.
+    let mut single = dual(&snap3);
+    single.v6.services.retain(|k, _| k.service.name != "np");
+    single.v6.endpoints.retain(|k, _| k.service.name != "np");
+    backend.sync(&single, &changes(&["np"]), false).unwrap();
+    assert_eq!(kernel_text(&ipt), normalise(&render(&single.v4, &settings(), None).text()), "{variant}: IPv4 kept np");
+    assert_eq!(kernel_text(&ipt6), normalise(&render(&single.v6, &settings(), None).text()), "{variant}: IPv6 dropped np");
+    backend.sync(&dual(&snap3), &changes(&["np"]), false).unwrap();
+
+    // Cleanup removes everything, in both families, twice.
     backend.cleanup().unwrap();
-    let save = whole_save(&ipt);
+    let save = format!("{}{}", whole_save(&ipt), whole_save(&ipt6));
     assert!(!save.contains("SWY"), "{variant}: left after cleanup:\n{save}");
     backend.cleanup().unwrap();
 
     // After cleanup the next sync is full even when asked for a partial one.
-    let stats = backend.sync(&snap3, &changes(&["one"]), false).unwrap();
+    let stats = backend.sync(&dual(&snap3), &changes(&["one"]), false).unwrap();
     assert!(stats.full);
-    assert_eq!(
-        kernel_text(&ipt),
-        normalise(&render(&snap3, &settings(), None).text())
-    );
+    let (text, text6, (want, want6)) = both(&snap3);
+    assert_eq!((text, text6), (want, want6));
     backend.cleanup().unwrap();
-    assert!(!whole_save(&ipt).contains("SWY"));
+    assert!(!whole_save(&ipt).contains("SWY") && !whole_save(&ipt6).contains("SWY"));
     assert!(
         started.elapsed() < std::time::Duration::from_secs(5),
         "{variant}: took {:?}",
@@ -714,7 +739,7 @@ fn iptables_kernel_failure_forces_full_sync() {
     let ipt = Iptables::new(Variant::Nft, Some(ns.name.clone()));
     let mut backend = IptablesBackend::with_netns(Variant::Nft, variant_settings(), Some(ns.name.clone()));
     let snap = variant_scenario();
-    backend.sync(&snap, &Changes::default(), true).unwrap();
+    backend.sync(&dual(&snap), &Changes::default(), true).unwrap();
     // The second golden (node-port addresses, masquerade-all, no cluster CIDR) holds in the kernel too.
     assert_eq!(kernel_text(&ipt), normalise(&read_golden("variant.rules")));
     // Someone else references one of our service chains: deleting it must fail.
@@ -728,11 +753,11 @@ fn iptables_kernel_failure_forces_full_sync() {
     .unwrap();
     let mut snap2 = snap.clone();
     snap2.services.retain(|k, _| k.service.name != "np");
-    let err = backend.sync(&snap2, &changes(&["np"]), false).unwrap_err();
+    let err = backend.sync(&dual(&snap2), &changes(&["np"]), false).unwrap_err();
     assert!(matches!(err, BackendError::Kernel { .. }), "{err}");
     ipt.restore("*nat\n:FOREIGN - [0:0]\n-X FOREIGN\nCOMMIT\n")
         .unwrap();
-    let stats = backend.sync(&snap2, &changes(&[]), false).unwrap();
+    let stats = backend.sync(&dual(&snap2), &changes(&[]), false).unwrap();
     assert!(stats.full);
     assert_eq!(
         kernel_text(&ipt),

@@ -79,7 +79,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use switchyard_crds::v1alpha1::ProxyMode;
 
 use crate::backend::{Backend, BackendError, Settings, SyncStats};
-use crate::model::{Changes, Ipv4Net, Snapshot};
+use crate::model::{Changes, DualSnapshot, Ipv4Net, Snapshot};
 use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
 use crate::sys::ipvs::{Destination, Ipvs, IpvsError, Op, ServiceKey, VirtualAddr};
 use crate::sys::{ipset, link};
@@ -160,6 +160,8 @@ pub struct IpvsBackend {
     /// Rules per (table is nat, chain) written by the last successful sync.
     rules: BTreeMap<(bool, &'static str), usize>,
     needs_full: bool,
+    /// Whether the "IPv4 only" warning was logged.
+    warned_ipv6: bool,
     /// Entry points off (see the module doc).
     bypassed: bool,
     /// Our chains were written since the last cleanup (jump rules may reference them).
@@ -180,6 +182,7 @@ impl IpvsBackend {
             node_port_ips: Vec::new(),
             rules: BTreeMap::new(),
             needs_full: true,
+            warned_ipv6: false,
             bypassed: false,
             programmed: false,
         }
@@ -221,7 +224,7 @@ impl IpvsBackend {
     /// address except loopback and the dummy link's.
     pub fn node_port_addresses(&self) -> Result<Vec<Ipv4Addr>, BackendError> {
         if let Some(list) = &self.settings.node_port_addresses {
-            return Ok(list.clone());
+            return Ok(list.iter().filter_map(|ip| if let IpAddr::V4(a) = ip { Some(*a) } else { None }).collect());
         }
         let all = link::all_addresses().map_err(|e| cmd_err("ip addr")(e.to_string()))?;
         let mut ips: Vec<Ipv4Addr> = all
@@ -657,15 +660,21 @@ impl Backend for IpvsBackend {
         ProxyMode::Ipvs
     }
 
+    /// Programs the IPv4 snapshot: IPVS mode is IPv4-only here (IPv6 services are logged once
+    /// and left to the other modes).
     fn sync(
         &mut self,
-        snapshot: &Snapshot,
+        snapshot: &DualSnapshot,
         _changes: &Changes,
         full: bool,
     ) -> Result<SyncStats, BackendError> {
+        if !snapshot.v6.services.is_empty() && !self.warned_ipv6 {
+            tracing::warn!(services = snapshot.v6.services.len(), "IPVS mode programs IPv4 only; IPv6 service ports are not served in this mode");
+            self.warned_ipv6 = true;
+        }
         // Partial syncs diff against the last applied state (the change set is implied by it).
         let full = full || self.needs_full;
-        let result = self.sync_inner(snapshot, full);
+        let result = self.sync_inner(&snapshot.v4, full);
         self.needs_full = result.is_err();
         result
     }
@@ -703,11 +712,11 @@ impl Backend for IpvsBackend {
         }
     }
 
-    fn render_text(&self, snapshot: &Snapshot) -> String {
-        let ips = self
-            .node_port_addresses()
-            .unwrap_or_else(|_| self.settings.node.addresses.clone());
-        render::render(snapshot, &self.settings, &ips).text()
+    fn render_text(&self, snapshot: &DualSnapshot) -> String {
+        let ips = self.node_port_addresses().unwrap_or_else(|_| {
+            self.settings.node.addresses.iter().filter_map(|ip| if let IpAddr::V4(a) = ip { Some(*a) } else { None }).collect()
+        });
+        render::render(&snapshot.v4, &self.settings, &ips).text()
     }
 
     /// See the module doc: toggles only the jump rules (one `iptables-restore`); virtual

@@ -590,9 +590,16 @@ fn render_service(
     node_port_ips: &[Ipv4Addr],
     d: &mut Desired,
 ) {
+    // IPVS mode programs IPv4 only (the backend renders the IPv4 snapshot).
+    let IpAddr::V4(cluster_ip) = sp.cluster_ip else { return };
+    let v4s = |ips: &[IpAddr]| -> Vec<Ipv4Addr> {
+        ips.iter().filter_map(|ip| if let IpAddr::V4(a) = ip { Some(*a) } else { None }).collect()
+    };
+    let (external_ips, load_balancer_ips) = (v4s(&sp.external_ips), v4s(&sp.load_balancer_ips));
     let cat = categorize(eps, &settings.node);
-    let to_reals =
-        |list: &[&Endpoint]| -> BTreeSet<(Ipv4Addr, u16)> { list.iter().map(|e| (e.ip, e.port)).collect() };
+    let to_reals = |list: &[&Endpoint]| -> BTreeSet<(Ipv4Addr, u16)> {
+        list.iter().filter_map(|e| if let IpAddr::V4(ip) = e.ip { Some((ip, e.port)) } else { None }).collect()
+    };
     let internal = to_reals(if sp.internal_policy_local {
         &cat.local
     } else {
@@ -640,11 +647,11 @@ fn render_service(
         );
     };
 
-    vs(sp.cluster_ip, port, &internal);
-    for ip in &sp.external_ips {
+    vs(cluster_ip, port, &internal);
+    for ip in &external_ips {
         vs(*ip, port, &external);
     }
-    for ip in &sp.load_balancer_ips {
+    for ip in &load_balancer_ips {
         vs(*ip, port, &external);
     }
     if let Some(np) = sp.node_port {
@@ -653,10 +660,10 @@ fn render_service(
         }
     }
 
-    d.bind.insert(sp.cluster_ip);
-    set(d, CLUSTER_IP).insert(format!("{},{p}:{port}", sp.cluster_ip));
-    for ip in &sp.external_ips {
-        if !node_addrs.contains(ip) {
+    d.bind.insert(cluster_ip);
+    set(d, CLUSTER_IP).insert(format!("{cluster_ip},{p}:{port}"));
+    for ip in &external_ips {
+        if !node_addrs.contains(&IpAddr::V4(*ip)) {
             d.bind.insert(*ip);
         }
         let name = if sp.external_policy_local {
@@ -666,8 +673,8 @@ fn render_service(
         };
         set(d, name).insert(format!("{ip},{p}:{port}"));
     }
-    for ip in &sp.load_balancer_ips {
-        if !node_addrs.contains(ip) {
+    for ip in &load_balancer_ips {
+        if !node_addrs.contains(&IpAddr::V4(*ip)) {
             d.bind.insert(*ip);
         }
         let entry = format!("{ip},{p}:{port}");
@@ -675,7 +682,7 @@ fn render_service(
         if sp.external_policy_local {
             set(d, LB_LOCAL).insert(entry.clone());
         }
-        if !sp.load_balancer_source_ranges.is_empty() {
+        if sp.has_source_ranges() {
             set(d, LB_FW).insert(entry);
             for range in &sp.load_balancer_source_ranges {
                 set(d, LB_SOURCE_CIDR).insert(format!("{ip},{p}:{port},{}", range.trunc()));
@@ -727,7 +734,7 @@ fn rules(d: &mut Desired, settings: &Settings) {
     );
     if settings.masquerade_all {
         nat.add(SERVICES, cluster_masq);
-    } else if let Some(cidr) = settings.cluster_cidr {
+    } else if let Some(cidr) = settings.cluster_cidr(crate::model::IpFamily::V4) {
         nat.add(SERVICES, format!("! -s {} {cluster_masq}", cidr.trunc()));
     }
     nat.add(
@@ -747,7 +754,7 @@ fn rules(d: &mut Desired, settings: &Settings) {
     match &settings.node_port_addresses {
         None => nat.add(SERVICES, format!("-m addrtype --dst-type LOCAL -j {NODE_PORT}")),
         Some(addresses) => {
-            for ip in addresses {
+            for ip in addresses.iter().filter(|ip| ip.is_ipv4()) {
                 nat.add(SERVICES, format!("-d {ip}/32 -j {NODE_PORT}"));
             }
         }
@@ -851,7 +858,7 @@ fn rules(d: &mut Desired, settings: &Settings) {
     }
     let node_dsts: Vec<String> = match &settings.node_port_addresses {
         None => vec!["-m addrtype --dst-type LOCAL".to_owned()],
-        Some(addresses) => addresses.iter().map(|ip| format!("-d {ip}/32")).collect(),
+        Some(addresses) => addresses.iter().filter(|ip| ip.is_ipv4()).map(|ip| format!("-d {ip}/32")).collect(),
     };
     for dst in &node_dsts {
         for (p, set, dir) in [

@@ -38,10 +38,10 @@ fn settings() -> Settings {
     Settings {
         node: NodeInfo {
             name: NODE.into(),
-            addresses: vec![ip("192.168.0.10")],
+            addresses: vec![ip("192.168.0.10").into()],
             zone: None,
         },
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
         ..Settings::default()
     }
 }
@@ -93,7 +93,7 @@ fn scenario() -> Snapshot {
     add(
         &mut s,
         ServicePort {
-            external_ips: vec![ip("203.0.113.21")],
+            external_ips: vec![ip("203.0.113.21").into()],
             ..port("ext", tcp, "10.96.0.21", 443)
         },
         vec![ep("10.244.1.21", 8443, REMOTE)],
@@ -102,7 +102,7 @@ fn scenario() -> Snapshot {
         &mut s,
         ServicePort {
             node_port: Some(30030),
-            load_balancer_ips: vec![ip("198.51.100.30")],
+            load_balancer_ips: vec![ip("198.51.100.30").into()],
             load_balancer_source_ranges: vec![
                 "192.168.0.0/24".parse().unwrap(),
                 "203.0.113.0/24".parse().unwrap(),
@@ -123,7 +123,7 @@ fn scenario() -> Snapshot {
         &mut s,
         ServicePort {
             node_port: Some(30040),
-            load_balancer_ips: vec![ip("198.51.100.40")],
+            load_balancer_ips: vec![ip("198.51.100.40").into()],
             external_policy_local: true,
             health_check_node_port: Some(32000),
             ..port("etp-local", tcp, "10.96.0.40", 80)
@@ -426,11 +426,11 @@ fn vm_settings(scheduler: &str) -> Settings {
     let mut s = Settings {
         node: NodeInfo {
             name: "vm".into(),
-            addresses: vec![ip(VM_NODE_IP)],
+            addresses: vec![ip(VM_NODE_IP).into()],
             zone: None,
         },
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-        node_port_addresses: Some(vec![ip(VM_NODE_IP)]),
+        cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+        node_port_addresses: Some(vec![ip(VM_NODE_IP).into()]),
         ..Settings::default()
     };
     s.ipvs.scheduler = scheduler.into();
@@ -663,7 +663,7 @@ mod vm {
     }
 
     fn sync(b: &mut IpvsBackend, snap: &Snapshot, full: bool) -> SyncStats {
-        b.sync(snap, &Changes::default(), full)
+        b.sync(&DualSnapshot::from(snap.clone()), &Changes::default(), full)
             .unwrap_or_else(|e| panic!("sync: {e}"))
     }
 
@@ -1123,7 +1123,7 @@ mod vm {
     fn drive(
         d: &mut crate::driver::Driver,
         to: switchyard_crds::v1alpha1::ProxyMode,
-        snap: &Snapshot,
+        snap: &DualSnapshot,
         mut after_cut_over: impl FnMut(),
     ) -> SwitchTimes {
         use crate::switch::{Desired as Wish, Phase};
@@ -1223,7 +1223,7 @@ mod vm {
             .unwrap();
         let dir = std::env::temp_dir().join(format!("swy-switch-{}", std::process::id()));
         let file = StateFile(dir.join("switch.json"));
-        let snap = vm_scenario();
+        let snap = DualSnapshot::from(vm_scenario());
         // The driver runs here, in the director (the node): it programs this namespace and its
         // health-gate probes connect to the ClusterIPs from it (node-local clients); the load
         // comes from the client namespace through the director (remote clients).
@@ -1263,7 +1263,7 @@ mod vm {
         assert!(services.is_empty(), "IPVS services left: {services:?}");
         let save = sh(&["iptables-legacy-save"]);
         assert!(!save.contains("SWY-"), "SWY chains left: {save}");
-        assert!(crate::sys::nft::table_exists().unwrap());
+        assert!(crate::sys::nft::table_exists(crate::model::IpFamily::V4).unwrap());
         println!(
             "VMTEST after leaving ipvs: no swy-ipvs0, no SWY-* ipsets, no IPVS services, no SWY-IPVS chains"
         );
@@ -1290,7 +1290,7 @@ mod vm {
         );
         drop(via_nft);
         assert!(
-            !crate::sys::nft::table_exists().unwrap(),
+            !crate::sys::nft::table_exists(crate::model::IpFamily::V4).unwrap(),
             "switchyard nft table left"
         );
         println!("VMTEST after leaving nftables: no switchyard nft table");
@@ -1379,7 +1379,7 @@ mod vm {
             let mut changed = snap.clone();
             for (k, eps) in changed.endpoints.iter_mut().take(n / 100) {
                 let _ = k;
-                eps[0].ip = Ipv4Addr::new(10, 244, 3, 1);
+                eps[0].ip = Ipv4Addr::new(10, 244, 3, 1).into();
             }
             let t = Instant::now();
             let partial = sync(&mut b, &changed, false);

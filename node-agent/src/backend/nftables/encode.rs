@@ -2,11 +2,23 @@
 //! `NEWSET`, `NEWSETELEM` and friends, matching what `nft` itself sends (checked with
 //! `nft --debug=netlink,mnl`), so the kernel state we create lists back as the same rules.
 
+use std::net::IpAddr;
+
 use super::ir::{BaseChain, Element, Expr, Key, KeyType, Rule, SetDef, TABLE, Verdict};
-use crate::sys::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST};
+use crate::{
+    model::{IpFamily, IpNet},
+    sys::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST},
+};
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
-const NFPROTO_IPV4: u8 = 2;
+
+/// `NFPROTO_IPV4` / `NFPROTO_IPV6`: the table family on the wire.
+pub fn nfproto(family: IpFamily) -> u8 {
+    match family {
+        IpFamily::V4 => 2,
+        IpFamily::V6 => 10,
+    }
+}
 const NLA_F_NESTED: u16 = 0x8000;
 /// `NLM_F_DUMP`.
 pub const NLM_F_DUMP: u16 = 0x300;
@@ -81,17 +93,18 @@ fn nfgenmsg(family: u8) -> [u8; 4] {
     [family, 0, 0, 0]
 }
 
-fn message(msg: Msg, flags: u16, seq: u32, attrs: Nla) -> Vec<u8> {
-    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | flags, seq, &nfgenmsg(NFPROTO_IPV4)).finish();
+fn message(family: IpFamily, msg: Msg, flags: u16, seq: u32, attrs: Nla) -> Vec<u8> {
+    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | flags, seq, &nfgenmsg(nfproto(family))).finish();
     b.extend_from_slice(&attrs.0);
     let len = b.len() as u32;
     b[0..4].copy_from_slice(&len.to_ne_bytes());
     b
 }
 
-/// A batch under construction: messages get consecutive sequence numbers and ask for an ack each.
+/// A batch under construction for one family's table: messages get consecutive sequence numbers.
 #[derive(Debug, Default)]
 pub struct Batch {
+    family: IpFamily,
     messages: Vec<u8>,
     count: u32,
     set_ids: u32,
@@ -99,9 +112,9 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// An empty batch.
-    pub fn new() -> Self {
-        Self::default()
+    /// An empty batch for the table of `family`.
+    pub fn new(family: IpFamily) -> Self {
+        Self { family, ..Self::default() }
     }
 
     /// Messages in the batch.
@@ -117,7 +130,7 @@ impl Batch {
     fn push(&mut self, msg: Msg, flags: u16, attrs: Nla) {
         self.count += 1;
         self.last = self.messages.len();
-        self.messages.extend(message(msg, flags, self.count, attrs));
+        self.messages.extend(message(self.family, msg, flags, self.count, attrs));
     }
 
     /// The framed batch (begin, messages 1..=n, end) and the sequence number to await.
@@ -178,7 +191,7 @@ impl Batch {
     pub fn add_rule(&mut self, chain: &str, rule: &Rule) {
         let mut list = Nla::default();
         for e in &rule.exprs {
-            for (name, data) in encode_expr(e) {
+            for (name, data) in encode_expr(e, self.family) {
                 list = list.nest(1, Nla::default().str(1, name).nest(2, data));
             }
         }
@@ -191,7 +204,7 @@ impl Batch {
 
     /// `add set` / `add map` (no error if it exists with the same definition).
     pub fn add_set(&mut self, set: &SetDef) {
-        let (key_type, key_len) = key_type(set.key);
+        let (key_type, key_len) = key_type(set.key, self.family);
         let mut flags = 0u32;
         if set.verdict_map {
             flags |= 0x8; // NFT_SET_MAP
@@ -265,9 +278,9 @@ impl Batch {
     }
 }
 
-/// A dump request (`GETCHAIN`, `GETSET`) for our table.
-pub fn dump_request(msg: Msg, seq: u32) -> Vec<u8> {
-    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | NLM_F_DUMP, seq, &nfgenmsg(NFPROTO_IPV4)).finish();
+/// A dump request (`GETCHAIN`, `GETSET`) for our table of `family`.
+pub fn dump_request(family: IpFamily, msg: Msg, seq: u32) -> Vec<u8> {
+    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | NLM_F_DUMP, seq, &nfgenmsg(nfproto(family))).finish();
     let attrs = Nla::default().str(1, TABLE);
     b.extend_from_slice(&attrs.0);
     let len = b.len() as u32;
@@ -275,9 +288,9 @@ pub fn dump_request(msg: Msg, seq: u32) -> Vec<u8> {
     b
 }
 
-/// A `GETTABLE` request for our table (answers ENOENT when it does not exist).
-pub fn get_table_request(seq: u32) -> Vec<u8> {
-    message(Msg::GetTable, NLM_F_ACK, seq, Nla::default().str(1, TABLE))
+/// A `GETTABLE` request for our table of `family` (answers ENOENT when it does not exist).
+pub fn get_table_request(family: IpFamily, seq: u32) -> Vec<u8> {
+    message(family, Msg::GetTable, NLM_F_ACK, seq, Nla::default().str(1, TABLE))
 }
 
 /// libnftnl user-data TLV with a NUL-terminated string.
@@ -288,15 +301,26 @@ fn udata_string(kind: u8, s: &str) -> Vec<u8> {
     v
 }
 
-fn key_type(key: KeyType) -> (u32, u32) {
-    const IPV4: u32 = 7;
+fn key_type(key: KeyType, family: IpFamily) -> (u32, u32) {
     const PROTO: u32 = 12;
     const SERVICE: u32 = 13;
+    // nft datatypes ipv4_addr (7) / ipv6_addr (8); concatenations shift 6 bits per field.
+    let (addr, len) = match family {
+        IpFamily::V4 => (7, 4),
+        IpFamily::V6 => (8, 16),
+    };
     match key {
-        KeyType::Ipv4 => (IPV4, 4),
+        KeyType::Addr => (addr, len),
         KeyType::ProtoPort => ((PROTO << 6) | SERVICE, 8),
-        KeyType::Ipv4ProtoPort => ((((IPV4 << 6) | PROTO) << 6) | SERVICE, 12),
-        KeyType::Ipv4Ipv4 => ((IPV4 << 6) | IPV4, 8),
+        KeyType::AddrProtoPort => ((((addr << 6) | PROTO) << 6) | SERVICE, len + 8),
+        KeyType::AddrAddr => ((addr << 6) | addr, 2 * len),
+    }
+}
+
+fn octets(a: &IpAddr) -> Vec<u8> {
+    match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
     }
 }
 
@@ -308,10 +332,10 @@ pub fn key_bytes(key: &Key) -> Vec<u8> {
         [b[0], b[1], 0, 0]
     };
     match key {
-        Key::Ipv4(a) => a.octets().to_vec(),
+        Key::Addr(a) => octets(a),
         Key::ProtoPort(p, n) => [proto(*p), port(*n)].concat(),
-        Key::Ipv4ProtoPort(a, p, n) => [a.octets(), proto(*p), port(*n)].concat(),
-        Key::Ipv4Ipv4(a, b) => [a.octets(), b.octets()].concat(),
+        Key::AddrProtoPort(a, p, n) => [octets(a), proto(*p).to_vec(), port(*n).to_vec()].concat(),
+        Key::AddrAddr(a, b) => [octets(a), octets(b)].concat(),
     }
 }
 
@@ -359,18 +383,39 @@ fn lookup(set: &str, dreg: Option<u32>) -> (&'static str, Nla) {
 
 const META_MARK: u32 = 3;
 const META_L4PROTO: u32 = 16;
-const SADDR: u32 = 12;
-const DADDR: u32 = 16;
 
-fn addr_match(offset: u32, net: &crate::model::Ipv4Net, negate: bool) -> Vec<(&'static str, Nla)> {
+/// Network-header offsets of the source and destination address, and the address length.
+struct Layout {
+    saddr: u32,
+    daddr: u32,
+    len: u32,
+}
+
+fn layout(family: IpFamily) -> Layout {
+    match family {
+        IpFamily::V4 => Layout { saddr: 12, daddr: 16, len: 4 },
+        IpFamily::V6 => Layout { saddr: 8, daddr: 24, len: 16 },
+    }
+}
+
+/// The register holding the 32-bit word `word` of a concatenation, numbered as nft numbers it: a
+/// word starting a 128-bit register by that register (`NFT_REG_1`..), any other by its 32-bit
+/// register (`NFT_REG32_00` = 8 onwards).
+fn reg(word: u32) -> u32 {
+    if word.is_multiple_of(4) { 1 + word / 4 } else { 8 + word }
+}
+
+fn addr_match(offset: u32, net: &IpNet, negate: bool) -> Vec<(&'static str, Nla)> {
     let prefix = u32::from(net.prefix_len());
-    let octets = net.network().octets();
+    let full = octets(&net.network());
+    let mask = octets(&net.netmask());
     if prefix % 8 == 0 {
         // Byte-aligned prefixes load only the significant bytes, as nft does.
         let n = (prefix / 8) as usize;
-        vec![payload(1, 1, offset, prefix / 8), cmp(!negate, &octets[..n])]
+        vec![payload(1, 1, offset, prefix / 8), cmp(!negate, &full[..n])]
     } else {
-        vec![payload(1, 1, offset, 4), bitwise(4, &net.netmask().octets(), &[0; 4]), cmp(!negate, &octets)]
+        let len = full.len() as u32;
+        vec![payload(1, 1, offset, len), bitwise(len, &mask, &vec![0; full.len()]), cmp(!negate, &full)]
     }
 }
 
@@ -382,18 +427,23 @@ fn ct_bit(key: u32, bit: u32) -> Vec<(&'static str, Nla)> {
     ]
 }
 
-/// The kernel expressions for one IR expression.
-pub fn encode_expr(e: &Expr) -> Vec<(&'static str, Nla)> {
+/// The kernel expressions for one IR expression in a table of `family`.
+pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
+    let l = layout(family);
+    // Words an address takes in a concatenation (1 for IPv4, 4 for IPv6).
+    let words = l.len / 4;
     match e {
         Expr::CtStateNew => ct_bit(0, 0x8),
         Expr::CtStatusDnat => ct_bit(2, 0x20),
-        Expr::DaddrIs(a) => vec![payload(1, 1, DADDR, 4), cmp(true, &a.octets())],
-        Expr::SaddrIs(a) => vec![payload(1, 1, SADDR, 4), cmp(true, &a.octets())],
-        Expr::SaddrIn(n, neg) => addr_match(SADDR, n, *neg),
-        Expr::DaddrIn(n, neg) => addr_match(DADDR, n, *neg),
-        Expr::DaddrInSet(s) => vec![payload(1, 1, DADDR, 4), lookup(s, None)],
-        Expr::SaddrInSet(s) => vec![payload(1, 1, SADDR, 4), lookup(s, None)],
-        Expr::SaddrDaddrInSet(s) => vec![payload(1, 1, SADDR, 4), payload(9, 1, DADDR, 4), lookup(s, None)],
+        Expr::DaddrIs(a) => vec![payload(1, 1, l.daddr, l.len), cmp(true, &octets(a))],
+        Expr::SaddrIs(a) => vec![payload(1, 1, l.saddr, l.len), cmp(true, &octets(a))],
+        Expr::SaddrIn(n, neg) => addr_match(l.saddr, n, *neg),
+        Expr::DaddrIn(n, neg) => addr_match(l.daddr, n, *neg),
+        Expr::DaddrInSet(s) => vec![payload(1, 1, l.daddr, l.len), lookup(s, None)],
+        Expr::SaddrInSet(s) => vec![payload(1, 1, l.saddr, l.len), lookup(s, None)],
+        Expr::SaddrDaddrInSet(s) => {
+            vec![payload(1, 1, l.saddr, l.len), payload(reg(words), 1, l.daddr, l.len), lookup(s, None)]
+        }
         Expr::FibSaddrLocal | Expr::FibDaddrLocal => {
             let flags = if matches!(e, Expr::FibSaddrLocal) { 1 } else { 2 };
             vec![("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)), cmp(true, &2u32.to_ne_bytes())]
@@ -410,17 +460,23 @@ pub fn encode_expr(e: &Expr) -> Vec<(&'static str, Nla)> {
             ]
         }
         Expr::Dnat(a, p) => vec![
-            ("immediate", Nla::default().u32(1, 1).nest(2, value(&a.octets()))),
+            ("immediate", Nla::default().u32(1, 1).nest(2, value(&octets(a)))),
             ("immediate", Nla::default().u32(1, 2).nest(2, value(&p.to_be_bytes()))),
-            ("nat", Nla::default().u32(1, 1).u32(2, u32::from(NFPROTO_IPV4)).u32(3, 1).u32(5, 2).u32(7, 2)),
+            ("nat", Nla::default().u32(1, 1).u32(2, u32::from(nfproto(family))).u32(3, 1).u32(5, 2).u32(7, 2)),
         ],
         Expr::Masquerade => vec![("masq", Nla::default().u32(1, 0x10))],
-        Expr::Reject => vec![("reject", Nla::default().u32(1, 0).put(2, &[3]))],
-        Expr::UpdateSaddr(s) => vec![payload(1, 1, SADDR, 4), ("dynset", Nla::default().str(1, s).u32(3, 1).u32(4, 1))],
+        // ICMP port unreachable (3) / ICMPv6 port unreachable (4).
+        Expr::Reject => {
+            let code = if family == IpFamily::V4 { 3 } else { 4 };
+            vec![("reject", Nla::default().u32(1, 0).put(2, &[code]))]
+        }
+        Expr::UpdateSaddr(s) => {
+            vec![payload(1, 1, l.saddr, l.len), ("dynset", Nla::default().str(1, s).u32(3, 1).u32(4, 1))]
+        }
         Expr::VmapDaddrProtoPort(m) => vec![
-            payload(1, 1, DADDR, 4),
-            meta_load(9, META_L4PROTO),
-            payload(10, 2, 2, 2),
+            payload(1, 1, l.daddr, l.len),
+            meta_load(reg(words), META_L4PROTO),
+            payload(reg(words + 1), 2, 2, 2),
             lookup(m, Some(0)),
         ],
         Expr::VmapProtoPort(m) => vec![meta_load(1, META_L4PROTO), payload(9, 2, 2, 2), lookup(m, Some(0))],
@@ -449,15 +505,16 @@ mod tests {
 
     #[test]
     fn concat_keys_pad_each_field_to_four_bytes() {
-        let k = Key::Ipv4ProtoPort("10.96.0.10".parse().expect("ip"), Protocol::Tcp, 80);
+        let k = Key::AddrProtoPort("10.96.0.10".parse().expect("ip"), Protocol::Tcp, 80);
         assert_eq!(key_bytes(&k), [10, 96, 0, 10, 6, 0, 0, 0, 0, 80, 0, 0]);
-        assert_eq!(key_type(KeyType::Ipv4ProtoPort), (0x730d, 12));
-        assert_eq!(key_type(KeyType::ProtoPort), (0x30d, 8));
+        assert_eq!(key_type(KeyType::AddrProtoPort, IpFamily::V4), (0x730d, 12));
+        assert_eq!(key_type(KeyType::AddrProtoPort, IpFamily::V6), (0x830d, 24));
+        assert_eq!(key_type(KeyType::ProtoPort, IpFamily::V6), (0x30d, 8));
     }
 
     #[test]
     fn dnat_encodes_address_and_port_in_network_order() {
-        let exprs = encode_expr(&Expr::Dnat("10.244.1.11".parse().expect("ip"), 80));
+        let exprs = encode_expr(&Expr::Dnat("10.244.1.11".parse().expect("ip"), 80), IpFamily::V4);
         assert_eq!(exprs.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["immediate", "immediate", "nat"]);
         // immediate: DREG=1, DATA{VALUE=0a f4 01 0b}
         assert_eq!(exprs[0].1.bytes(), [8, 0, 1, 0, 0, 0, 0, 1, 12, 0, 2, 0x80, 8, 0, 1, 0, 10, 244, 1, 11]);
@@ -466,10 +523,20 @@ mod tests {
 
     #[test]
     fn byte_aligned_prefixes_load_only_significant_bytes() {
-        let net: crate::model::Ipv4Net = "10.244.0.0/16".parse().expect("net");
-        let e = encode_expr(&Expr::SaddrIn(net, true));
+        let net: IpNet = "10.244.0.0/16".parse().expect("net");
+        let e = encode_expr(&Expr::SaddrIn(net, true), IpFamily::V4);
         assert_eq!(e.len(), 2, "payload + cmp, no bitwise");
-        let odd: crate::model::Ipv4Net = "203.0.113.0/25".parse().expect("net");
-        assert_eq!(encode_expr(&Expr::SaddrIn(odd, false)).len(), 3);
+        let odd: IpNet = "203.0.113.0/25".parse().expect("net");
+        assert_eq!(encode_expr(&Expr::SaddrIn(odd, false), IpFamily::V4).len(), 3);
+        let odd6: IpNet = "fd00:10:244::/60".parse().expect("net");
+        assert_eq!(encode_expr(&Expr::SaddrIn(odd6, false), IpFamily::V6).len(), 3);
+    }
+
+    #[test]
+    fn concatenation_registers_follow_nfts_numbering() {
+        // IPv4: words 0, 1, 2 -> NFT_REG_1, NFT_REG32_01, NFT_REG32_02.
+        assert_eq!([reg(0), reg(1), reg(2)], [1, 9, 10]);
+        // IPv6: the address fills NFT_REG_1; then word 4 -> NFT_REG_2, word 5 -> NFT_REG32_05.
+        assert_eq!([reg(4), reg(5)], [2, 13]);
     }
 }

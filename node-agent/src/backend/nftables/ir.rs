@@ -1,14 +1,48 @@
 //! The nftables ruleset as data: sets, maps, chains and rules built from a small closed set of
 //! expressions. Each expression knows its `nft` text (for `--render`, loadable with `nft -f`) and
 //! its netlink bytecode ([`super::encode`]), the same bytecode `nft` itself generates, so that
-//! `nft list table ip switchyard` decompiles every rule we write.
+//! `nft list table ip switchyard` (and `ip6 switchyard`) decompiles every rule we write. One
+//! ruleset is one family's table; expressions take their `ip`/`ip6` spelling and address layout
+//! from the family they are rendered for.
 
-use std::{fmt::Write as _, net::Ipv4Addr};
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, Ipv6Addr},
+};
 
-use crate::model::{Ipv4Net, Protocol};
+use crate::model::{IpFamily, IpNet, Protocol};
 
-/// Name of our table (family `ip`).
+/// Name of our tables (families `ip` and `ip6`).
 pub const TABLE: &str = "switchyard";
+
+/// nft's name of a table family (`ip`, `ip6`), also the prefix of address matches.
+pub fn family_name(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "ip",
+        IpFamily::V6 => "ip6",
+    }
+}
+
+/// An address as nft prints it inside `dnat to`: IPv6 in brackets.
+fn addr_port(addr: &IpAddr, port: u16) -> String {
+    match addr {
+        IpAddr::V4(a) => format!("{a}:{port}"),
+        IpAddr::V6(a) => format!("[{a}]:{port}"),
+    }
+}
+
+/// The loopback network NodePorts are not served on (`127.0.0.0/8`, `::1`).
+pub fn loopback(family: IpFamily) -> IpNet {
+    match family {
+        IpFamily::V4 => IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(127, 0, 0, 0), 8).unwrap_or_default()),
+        IpFamily::V6 => IpNet::V6(ipnet::Ipv6Net::new(Ipv6Addr::LOCALHOST, 128).unwrap_or_default()),
+    }
+}
+
+/// A network as nft prints it: a host prefix prints as the bare address.
+fn net_text(net: &IpNet) -> String {
+    if net.prefix_len() == net.max_prefix_len() { net.addr().to_string() } else { net.to_string() }
+}
 
 /// A verdict.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -42,13 +76,13 @@ pub enum Expr {
     /// `ct status dnat`.
     CtStatusDnat,
     /// `ip daddr ADDR`.
-    DaddrIs(Ipv4Addr),
+    DaddrIs(IpAddr),
     /// `ip saddr ADDR`.
-    SaddrIs(Ipv4Addr),
+    SaddrIs(IpAddr),
     /// `ip saddr [!=] NET`.
-    SaddrIn(Ipv4Net, bool),
+    SaddrIn(IpNet, bool),
     /// `ip daddr != 127.0.0.0/8` style (negated when `true`).
-    DaddrIn(Ipv4Net, bool),
+    DaddrIn(IpNet, bool),
     /// `ip daddr @SET`.
     DaddrInSet(String),
     /// `ip saddr @SET`.
@@ -70,7 +104,7 @@ pub enum Expr {
     /// `meta mark set meta mark ^ MARK`.
     SetMarkXor(u32),
     /// `dnat to ADDR:PORT` (after an `L4Proto` match).
-    Dnat(Ipv4Addr, u16),
+    Dnat(IpAddr, u16),
     /// `masquerade fully-random`.
     Masquerade,
     /// `reject` (ICMP port unreachable).
@@ -90,18 +124,20 @@ fn mark_text(mark: u32) -> String {
 }
 
 impl Expr {
-    /// nft syntax.
-    pub fn text(&self) -> String {
+    /// nft syntax in a table of `family`.
+    pub fn text(&self, family: IpFamily) -> String {
+        let ip = family_name(family);
+        let not = |neg: &bool| if *neg { "!= " } else { "" };
         match self {
             Expr::CtStateNew => "ct state new".into(),
             Expr::CtStatusDnat => "ct status dnat".into(),
-            Expr::DaddrIs(a) => format!("ip daddr {a}"),
-            Expr::SaddrIs(a) => format!("ip saddr {a}"),
-            Expr::SaddrIn(n, neg) => format!("ip saddr {}{n}", if *neg { "!= " } else { "" }),
-            Expr::DaddrIn(n, neg) => format!("ip daddr {}{n}", if *neg { "!= " } else { "" }),
-            Expr::DaddrInSet(s) => format!("ip daddr @{s}"),
-            Expr::SaddrInSet(s) => format!("ip saddr @{s}"),
-            Expr::SaddrDaddrInSet(s) => format!("ip saddr . ip daddr @{s}"),
+            Expr::DaddrIs(a) => format!("{ip} daddr {a}"),
+            Expr::SaddrIs(a) => format!("{ip} saddr {a}"),
+            Expr::SaddrIn(n, neg) => format!("{ip} saddr {}{}", not(neg), net_text(n)),
+            Expr::DaddrIn(n, neg) => format!("{ip} daddr {}{}", not(neg), net_text(n)),
+            Expr::DaddrInSet(s) => format!("{ip} daddr @{s}"),
+            Expr::SaddrInSet(s) => format!("{ip} saddr @{s}"),
+            Expr::SaddrDaddrInSet(s) => format!("{ip} saddr . {ip} daddr @{s}"),
             Expr::FibSaddrLocal => "fib saddr type local".into(),
             Expr::FibDaddrLocal => "fib daddr type local".into(),
             Expr::NumgenZero(m) => format!("numgen random mod {m} 0"),
@@ -109,11 +145,11 @@ impl Expr {
             Expr::MarkUnset(m) => format!("meta mark & {} == 0x00000000", mark_text(*m)),
             Expr::SetMarkOr(m) => format!("meta mark set meta mark | {}", mark_text(*m)),
             Expr::SetMarkXor(m) => format!("meta mark set meta mark ^ {}", mark_text(*m)),
-            Expr::Dnat(a, p) => format!("dnat to {a}:{p}"),
+            Expr::Dnat(a, p) => format!("dnat to {}", addr_port(a, *p)),
             Expr::Masquerade => "masquerade fully-random".into(),
             Expr::Reject => "reject".into(),
-            Expr::UpdateSaddr(s) => format!("update @{s} {{ ip saddr }}"),
-            Expr::VmapDaddrProtoPort(m) => format!("ip daddr . meta l4proto . th dport vmap @{m}"),
+            Expr::UpdateSaddr(s) => format!("update @{s} {{ {ip} saddr }}"),
+            Expr::VmapDaddrProtoPort(m) => format!("{ip} daddr . meta l4proto . th dport vmap @{m}"),
             Expr::VmapProtoPort(m) => format!("meta l4proto . th dport vmap @{m}"),
             Expr::Verdict(v) => v.text(),
         }
@@ -141,9 +177,9 @@ impl Rule {
         self
     }
 
-    /// nft syntax.
-    pub fn text(&self) -> String {
-        let mut s = self.exprs.iter().map(Expr::text).collect::<Vec<_>>().join(" ");
+    /// nft syntax in a table of `family`.
+    pub fn text(&self, family: IpFamily) -> String {
+        let mut s = self.exprs.iter().map(|e| e.text(family)).collect::<Vec<_>>().join(" ");
         if let Some(c) = &self.comment {
             let _ = write!(s, " comment \"{c}\"");
         }
@@ -210,26 +246,30 @@ pub struct Chain {
     pub rules: Vec<Rule>,
 }
 
-/// Key type of a set or map.
+/// Key type of a set or map; addresses are of the table's family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyType {
-    /// `ipv4_addr`.
-    Ipv4,
+    /// `ipv4_addr` / `ipv6_addr`.
+    Addr,
     /// `inet_proto . inet_service`.
     ProtoPort,
     /// `ipv4_addr . inet_proto . inet_service`.
-    Ipv4ProtoPort,
+    AddrProtoPort,
     /// `ipv4_addr . ipv4_addr`.
-    Ipv4Ipv4,
+    AddrAddr,
 }
 
 impl KeyType {
-    fn text(self) -> &'static str {
+    fn text(self, family: IpFamily) -> String {
+        let addr = match family {
+            IpFamily::V4 => "ipv4_addr",
+            IpFamily::V6 => "ipv6_addr",
+        };
         match self {
-            KeyType::Ipv4 => "ipv4_addr",
-            KeyType::ProtoPort => "inet_proto . inet_service",
-            KeyType::Ipv4ProtoPort => "ipv4_addr . inet_proto . inet_service",
-            KeyType::Ipv4Ipv4 => "ipv4_addr . ipv4_addr",
+            KeyType::Addr => addr.into(),
+            KeyType::ProtoPort => "inet_proto . inet_service".into(),
+            KeyType::AddrProtoPort => format!("{addr} . inet_proto . inet_service"),
+            KeyType::AddrAddr => format!("{addr} . {addr}"),
         }
     }
 }
@@ -238,22 +278,22 @@ impl KeyType {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Key {
     /// One address.
-    Ipv4(Ipv4Addr),
+    Addr(IpAddr),
     /// Protocol and port.
     ProtoPort(Protocol, u16),
     /// Address, protocol and port.
-    Ipv4ProtoPort(Ipv4Addr, Protocol, u16),
+    AddrProtoPort(IpAddr, Protocol, u16),
     /// Two addresses.
-    Ipv4Ipv4(Ipv4Addr, Ipv4Addr),
+    AddrAddr(IpAddr, IpAddr),
 }
 
 impl Key {
     fn text(&self) -> String {
         match self {
-            Key::Ipv4(a) => a.to_string(),
+            Key::Addr(a) => a.to_string(),
             Key::ProtoPort(p, n) => format!("{} . {n}", p.as_str()),
-            Key::Ipv4ProtoPort(a, p, n) => format!("{a} . {} . {n}", p.as_str()),
-            Key::Ipv4Ipv4(a, b) => format!("{a} . {b}"),
+            Key::AddrProtoPort(a, p, n) => format!("{a} . {} . {n}", p.as_str()),
+            Key::AddrAddr(a, b) => format!("{a} . {b}"),
         }
     }
 }
@@ -285,10 +325,10 @@ pub struct Element {
 }
 
 impl SetDef {
-    /// nft syntax of the definition.
-    pub fn text(&self) -> String {
+    /// nft syntax of the definition in a table of `family`.
+    pub fn text(&self, family: IpFamily) -> String {
         let kind = if self.verdict_map { "map" } else { "set" };
-        let mut s = format!("\t{kind} {} {{\n\t\ttype {}", self.name, self.key.text());
+        let mut s = format!("\t{kind} {} {{\n\t\ttype {}", self.name, self.key.text(family));
         if self.verdict_map {
             s.push_str(" : verdict");
         }
@@ -318,9 +358,11 @@ impl Element {
     }
 }
 
-/// The whole desired table.
+/// The whole desired table of one family.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ruleset {
+    /// The table's family.
+    pub family: IpFamily,
     /// Sets and maps, in creation order.
     pub sets: Vec<SetDef>,
     /// Elements per set name.
@@ -337,9 +379,10 @@ impl Ruleset {
 
     /// A complete `nft -f` script that (re)creates the table, for `--render` and as a test oracle.
     pub fn text(&self) -> String {
-        let mut s = format!("table ip {TABLE} {{\n\tcomment \"rules for switchyard\"\n");
+        let family = family_name(self.family);
+        let mut s = format!("table {family} {TABLE} {{\n\tcomment \"rules for switchyard\"\n");
         for set in &self.sets {
-            s.push_str(&set.text());
+            s.push_str(&set.text(self.family));
         }
         for chain in &self.chains {
             let _ = writeln!(s, "\tchain {} {{", chain.name);
@@ -353,7 +396,7 @@ impl Ruleset {
                 );
             }
             for rule in &chain.rules {
-                let _ = writeln!(s, "\t\t{}", rule.text());
+                let _ = writeln!(s, "\t\t{}", rule.text(self.family));
             }
             s.push_str("\t}\n");
         }
@@ -361,7 +404,7 @@ impl Ruleset {
         for (set, elements) in &self.elements {
             if !elements.is_empty() {
                 let list = elements.iter().map(Element::text).collect::<Vec<_>>().join(", ");
-                let _ = writeln!(s, "add element ip {TABLE} {set} {{ {list} }}");
+                let _ = writeln!(s, "add element {family} {TABLE} {set} {{ {list} }}");
             }
         }
         s

@@ -1,4 +1,5 @@
-//! nftables backend: table `ip switchyard`, programmed over netlink in atomic transactions.
+//! nftables backend: tables `ip switchyard` and `ip6 switchyard` (one per family, the same shape),
+//! programmed over netlink in atomic transactions, one per family.
 //!
 //! Full syncs rewrite every chain and reload every map (one transaction); partial syncs rewrite
 //! only the chains of changed services and add or delete only the map elements that changed,
@@ -20,7 +21,7 @@ use switchyard_crds::v1alpha1::ProxyMode;
 
 use super::{Backend, BackendError, Settings, SyncStats};
 use crate::{
-    model::{Changes, ServiceName, ServicePortName, Snapshot},
+    model::{Changes, DualSnapshot, IpFamily, ServiceName, ServicePortName, Snapshot},
     sys,
 };
 
@@ -28,14 +29,22 @@ use crate::{
 #[derive(Debug)]
 pub struct NftablesBackend {
     settings: Settings,
+    /// The `ip` and `ip6` tables.
+    tables: [Table; 2],
+    /// Entry points off: every base chain starts with `return`.
+    bypassed: bool,
+}
+
+/// What we programmed in one family's table.
+#[derive(Debug)]
+struct Table {
+    family: IpFamily,
     fragments: BTreeMap<ServicePortName, Fragment>,
     /// Elements in the kernel per (set, key), with how many fragments want them.
     elements: HashMap<(&'static str, Key), (Element, usize)>,
     /// Chains and sets deleted at the start of the next sync.
     stale_chains: BTreeSet<String>,
     stale_sets: BTreeSet<String>,
-    /// Entry points off: every base chain starts with `return`.
-    bypassed: bool,
     /// Whether a full sync has programmed the table.
     programmed: bool,
 }
@@ -57,32 +66,46 @@ fn kernel(detail: String) -> BackendError {
 impl NftablesBackend {
     /// A backend that renders with `settings`.
     pub fn new(settings: Settings) -> Self {
+        Self { settings, tables: IpFamily::ALL.map(Table::new), bypassed: false }
+    }
+}
+
+/// The fixed part of `family`'s table, with the bypass applied to base chains.
+fn base(settings: &Settings, family: IpFamily, bypassed: bool) -> ir::Ruleset {
+    let mut base = render::base(settings, family);
+    if bypassed {
+        for chain in base.chains.iter_mut().filter(|c| c.base.is_some()) {
+            chain.rules.insert(0, ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment("bypassed by switchyard"));
+        }
+    }
+    base
+}
+
+impl Table {
+    fn new(family: IpFamily) -> Self {
         Self {
-            settings,
+            family,
             fragments: BTreeMap::new(),
             elements: HashMap::new(),
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
-            bypassed: false,
             programmed: false,
         }
     }
 
-    /// The fixed part of the ruleset, with the bypass applied to base chains.
-    fn base(&self) -> ir::Ruleset {
-        let mut base = render::base(&self.settings);
-        if self.bypassed {
-            for chain in base.chains.iter_mut().filter(|c| c.base.is_some()) {
-                chain.rules.insert(0, ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment("bypassed by switchyard"));
-            }
-        }
-        base
+    fn forget(&mut self) {
+        self.fragments.clear();
+        self.elements.clear();
     }
 
-    fn render_fragments(&self, snapshot: &Snapshot, only: Option<&ServiceName>) -> BTreeMap<ServicePortName, Fragment> {
+    fn render_fragments(
+        settings: &Settings,
+        snapshot: &Snapshot,
+        only: Option<&ServiceName>,
+    ) -> BTreeMap<ServicePortName, Fragment> {
         let render = |(name, port): (&ServicePortName, &crate::model::ServicePort)| {
             let eps = snapshot.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
-            (name.clone(), render::service(port, eps, &self.settings))
+            (name.clone(), render::service(port, eps, settings))
         };
         match only {
             None => snapshot.services.iter().map(render).collect(),
@@ -94,7 +117,7 @@ impl NftablesBackend {
         if self.stale_chains.is_empty() && self.stale_sets.is_empty() {
             return Ok(());
         }
-        let mut batch = Batch::new();
+        let mut batch = Batch::new(self.family);
         for c in &self.stale_chains {
             batch.delete_chain(c);
         }
@@ -114,13 +137,13 @@ impl NftablesBackend {
         }
     }
 
-    fn full_sync(&mut self, snapshot: &Snapshot) -> Result<SyncStats, BackendError> {
-        let base = self.base();
-        let fragments = self.render_fragments(snapshot, None);
-        let existing_chains: BTreeSet<String> = sys::nft::list(Msg::GetChain)?.into_iter().collect();
-        let existing_sets: BTreeSet<String> = sys::nft::list(Msg::GetSet)?.into_iter().collect();
+    fn full_sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot) -> Result<SyncStats, BackendError> {
+        let base = base(settings, self.family, bypassed);
+        let fragments = Self::render_fragments(settings, snapshot, None);
+        let existing_chains: BTreeSet<String> = sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
+        let existing_sets: BTreeSet<String> = sys::nft::list(self.family, Msg::GetSet)?.into_iter().collect();
 
-        let mut batch = Batch::new();
+        let mut batch = Batch::new(self.family);
         batch.add_table("rules for switchyard");
         for set in &base.sets {
             batch.add_set(set);
@@ -188,14 +211,18 @@ impl NftablesBackend {
         Ok(stats)
     }
 
-    fn partial_sync(&mut self, snapshot: &Snapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
-        let mut batch = Batch::new();
+    fn partial_sync(&mut self, settings: &Settings, snapshot: &Snapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
+        let mut batch = Batch::new(self.family);
         let mut removed: Vec<Fragment> = Vec::new();
         let mut added: BTreeMap<ServicePortName, Fragment> = BTreeMap::new();
         for service in &changes.services {
             let old_keys: Vec<ServicePortName> = ports_of(&self.fragments, service).map(|(k, _)| k.clone()).collect();
             removed.extend(old_keys.iter().filter_map(|k| self.fragments.remove(k)));
-            added.extend(self.render_fragments(snapshot, Some(service)));
+            added.extend(Self::render_fragments(settings, snapshot, Some(service)));
+        }
+        if removed.is_empty() && added.is_empty() {
+            // Nothing of this family changed (e.g. an IPv4-only Service in the IPv6 table).
+            return Ok(SyncStats::default());
         }
         let old_chains: BTreeSet<&str> = removed.iter().flat_map(|f| f.chains.iter().map(|c| c.name.as_str())).collect();
         let new_chains: BTreeSet<&str> = added.values().flat_map(|f| f.chains.iter().map(|c| c.name.as_str())).collect();
@@ -285,51 +312,38 @@ impl NftablesBackend {
     }
 }
 
-impl Backend for NftablesBackend {
-    fn mode(&self) -> ProxyMode {
-        ProxyMode::Nftables
-    }
-
-    fn sync(&mut self, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
-        let result = if full || self.fragments.is_empty() && self.elements.is_empty() {
-            self.full_sync(snapshot)
+impl Table {
+    fn sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+        let result = if full || !self.programmed {
+            self.full_sync(settings, bypassed, snapshot)
         } else {
-            self.partial_sync(snapshot, changes)
+            self.partial_sync(settings, snapshot, changes)
         };
         if result.is_err() {
             // Our view of the kernel is unknown now: the next sync must be full.
-            self.fragments.clear();
-            self.elements.clear();
+            self.forget();
+            self.programmed = false;
         }
         result
     }
 
     fn cleanup(&mut self) -> Result<(), BackendError> {
-        self.fragments.clear();
-        self.elements.clear();
+        self.forget();
         self.programmed = false;
-        if !sys::nft::table_exists()? {
+        if !sys::nft::table_exists(self.family)? {
             return Ok(());
         }
-        let mut batch = Batch::new();
+        let mut batch = Batch::new(self.family);
         batch.delete_table();
         sys::nft::apply(batch)?.map_err(kernel)
     }
 
-    fn render_text(&self, snapshot: &Snapshot) -> String {
-        render::full(snapshot, &self.settings).text()
-    }
-
-    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
-        if self.bypassed == bypassed {
-            return Ok(());
-        }
-        self.bypassed = bypassed;
+    fn set_bypass(&self, settings: &Settings, bypassed: bool) -> Result<(), BackendError> {
         if !self.programmed {
             return Ok(()); // the next full sync programs the base chains accordingly
         }
-        let mut batch = Batch::new();
-        for chain in self.base().chains.iter().filter(|c| c.base.is_some()) {
+        let mut batch = Batch::new(self.family);
+        for chain in base(settings, self.family, bypassed).chains.iter().filter(|c| c.base.is_some()) {
             batch.flush_chain(&chain.name);
             for rule in &chain.rules {
                 batch.add_rule(&chain.name, rule);
@@ -338,22 +352,80 @@ impl Backend for NftablesBackend {
         sys::nft::apply(batch)?.map_err(kernel)
     }
 
-    fn verify(&self) -> Result<Vec<String>, BackendError> {
-        let kernel: BTreeSet<String> = sys::nft::list(Msg::GetChain)?.into_iter().collect();
-        let desired: BTreeSet<String> = self
-            .base()
+    fn verify(&self, settings: &Settings, bypassed: bool) -> Result<Vec<String>, BackendError> {
+        if !self.programmed {
+            return Ok(Vec::new());
+        }
+        let kernel: BTreeSet<String> = sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
+        let desired: BTreeSet<String> = base(settings, self.family, bypassed)
             .chains
             .iter()
             .chain(self.fragments.values().flat_map(|f| f.chains.iter()))
             .map(|c| c.name.clone())
             .collect();
-        let mut drift: Vec<String> = desired.difference(&kernel).map(|c| format!("chain {c} is missing")).collect();
+        let table = format!("{} {}", ir::family_name(self.family), ir::TABLE);
+        let mut drift: Vec<String> = desired.difference(&kernel).map(|c| format!("{table}: chain {c} is missing")).collect();
         drift.extend(
             kernel
                 .difference(&desired)
                 .filter(|c| !self.stale_chains.contains(*c))
-                .map(|c| format!("chain {c} is not ours to keep")),
+                .map(|c| format!("{table}: chain {c} is not ours to keep")),
         );
+        Ok(drift)
+    }
+}
+
+impl Backend for NftablesBackend {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Nftables
+    }
+
+    fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+        let mut total: Option<SyncStats> = None;
+        for i in 0..self.tables.len() {
+            let table = &mut self.tables[i];
+            match table.sync(&self.settings, self.bypassed, snapshot.get(table.family), changes, full) {
+                Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                Err(e) => {
+                    // The other table may have missed these changes too: both go full next time.
+                    for other in &mut self.tables {
+                        other.forget();
+                        other.programmed = false;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(total.unwrap_or_default())
+    }
+
+    fn cleanup(&mut self) -> Result<(), BackendError> {
+        for table in &mut self.tables {
+            table.cleanup()?;
+        }
+        Ok(())
+    }
+
+    fn render_text(&self, snapshot: &DualSnapshot) -> String {
+        snapshot.families().iter().map(|s| render::full(s, &self.settings).text()).collect()
+    }
+
+    fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
+        if self.bypassed == bypassed {
+            return Ok(());
+        }
+        self.bypassed = bypassed;
+        for table in &self.tables {
+            table.set_bypass(&self.settings, bypassed)?;
+        }
+        Ok(())
+    }
+
+    fn verify(&self) -> Result<Vec<String>, BackendError> {
+        let mut drift = Vec::new();
+        for table in &self.tables {
+            drift.extend(table.verify(&self.settings, self.bypassed)?);
+        }
         Ok(drift)
     }
 }

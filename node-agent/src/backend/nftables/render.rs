@@ -5,13 +5,13 @@
 //! of `numgen random mod (n-j) 0` rules, each DNATing inline (exactly uniform, no anonymous maps,
 //! no per-endpoint chains) — except with ClientIP affinity, which needs per-endpoint chains and
 //! timeout sets. Hairpin traffic is masqueraded through one `hairpin-connections` set.
+//!
+//! Each family has its own table with the same shape; a [`Snapshot`] holds one family.
 
-use std::net::Ipv4Addr;
-
-use super::ir::{BaseChain, Chain, Element, Expr, Hook, Key, KeyType, Rule, Ruleset, SetDef, Verdict};
+use super::ir::{BaseChain, Chain, Element, Expr, Hook, Key, KeyType, Rule, Ruleset, SetDef, Verdict, loopback};
 use crate::{
     backend::{Settings, names},
-    model::{Endpoint, Ipv4Net, ServicePort, ServicePortName, Snapshot, categorize},
+    model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot, categorize},
 };
 
 /// Set and map names.
@@ -59,12 +59,8 @@ fn jump_new(target: &str) -> Rule {
     Rule::new(vec![Expr::CtStateNew, Expr::Verdict(Verdict::Jump(target.into()))])
 }
 
-fn loopback() -> Ipv4Net {
-    Ipv4Net::new(Ipv4Addr::new(127, 0, 0, 0), 8).unwrap_or_default()
-}
-
-/// The fixed part: sets, maps, base chains and dispatch chains.
-pub fn base(settings: &Settings) -> Ruleset {
+/// The fixed part of `family`'s table: sets, maps, base chains and dispatch chains.
+pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
     use sets::*;
     let set = |name: &str, key: KeyType, verdict_map: bool, comment: Option<&str>| SetDef {
         name: name.into(),
@@ -74,25 +70,29 @@ pub fn base(settings: &Settings) -> Ruleset {
         comment: comment.map(str::to_owned),
     };
     let mut sets_defs = vec![
-        set(CLUSTER_IPS, KeyType::Ipv4, false, Some("Active ClusterIPs")),
-        set(SERVICE_IPS, KeyType::Ipv4ProtoPort, true, Some("ClusterIP, ExternalIP and LoadBalancer IP traffic")),
+        set(CLUSTER_IPS, KeyType::Addr, false, Some("Active ClusterIPs")),
+        set(SERVICE_IPS, KeyType::AddrProtoPort, true, Some("ClusterIP, ExternalIP and LoadBalancer IP traffic")),
         set(SERVICE_NODEPORTS, KeyType::ProtoPort, true, Some("NodePort traffic")),
-        set(NO_ENDPOINT_SERVICES, KeyType::Ipv4ProtoPort, true, Some("vmap to drop or reject packets to services with no endpoints")),
+        set(NO_ENDPOINT_SERVICES, KeyType::AddrProtoPort, true, Some("vmap to drop or reject packets to services with no endpoints")),
         set(NO_ENDPOINT_NODEPORTS, KeyType::ProtoPort, true, Some("vmap to drop or reject packets to service nodeports with no endpoints")),
-        set(FIREWALL_IPS, KeyType::Ipv4ProtoPort, true, Some("destinations that are subject to LoadBalancerSourceRanges")),
-        set(HAIRPIN, KeyType::Ipv4Ipv4, false, Some("local endpoints reaching themselves through a service")),
+        set(FIREWALL_IPS, KeyType::AddrProtoPort, true, Some("destinations that are subject to LoadBalancerSourceRanges")),
+        set(HAIRPIN, KeyType::AddrAddr, false, Some("local endpoints reaching themselves through a service")),
     ];
     let mut elements = std::collections::BTreeMap::new();
     let nodeport_match: Vec<Expr> = match &settings.node_port_addresses {
         Some(addrs) => {
-            sets_defs.insert(1, set(NODEPORT_IPS, KeyType::Ipv4, false, Some("IPs that accept NodePort traffic")));
+            sets_defs.insert(1, set(NODEPORT_IPS, KeyType::Addr, false, Some("IPs that accept NodePort traffic")));
             elements.insert(
                 NODEPORT_IPS.to_owned(),
-                addrs.iter().map(|a| Element { key: Key::Ipv4(*a), verdict: None, comment: None }).collect(),
+                addrs
+                    .iter()
+                    .filter(|a| family.holds(a))
+                    .map(|a| Element { key: Key::Addr(*a), verdict: None, comment: None })
+                    .collect(),
             );
             vec![Expr::DaddrInSet(NODEPORT_IPS.into())]
         }
-        None => vec![Expr::FibDaddrLocal, Expr::DaddrIn(loopback(), true)],
+        None => vec![Expr::FibDaddrLocal, Expr::DaddrIn(loopback(family), true)],
     };
     let with = |mut m: Vec<Expr>, e: Expr| {
         m.push(e);
@@ -122,7 +122,7 @@ pub fn base(settings: &Settings) -> Ruleset {
             let mut rules = Vec::new();
             if settings.masquerade_all {
                 rules.push(Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SetMarkOr(mark)]).comment("masquerade all ClusterIP traffic"));
-            } else if let Some(cidr) = settings.cluster_cidr {
+            } else if let Some(cidr) = settings.cluster_cidr(family) {
                 rules.push(
                     Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SaddrIn(cidr, true), Expr::SetMarkOr(mark)])
                         .comment("masquerade ClusterIP traffic from outside the cluster"),
@@ -142,7 +142,7 @@ pub fn base(settings: &Settings) -> Ruleset {
             ],
         ),
     ];
-    Ruleset { sets: sets_defs, elements, chains }
+    Ruleset { family, sets: sets_defs, elements, chains }
 }
 
 /// DNAT cascade over `eps`: endpoint j of n is taken with probability 1/(n-j) given the earlier
@@ -190,7 +190,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     let affinity = port.affinity_timeout_seconds.is_some();
     let mark = settings.masquerade_mark;
 
-    frag.elements.push((CLUSTER_IPS, Element { key: Key::Ipv4(port.cluster_ip), verdict: None, comment: None }));
+    frag.elements.push((CLUSTER_IPS, Element { key: Key::Addr(port.cluster_ip), verdict: None, comment: None }));
 
     let has_cluster = !cat.cluster.is_empty();
     let has_local = !cat.local.is_empty();
@@ -212,7 +212,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         eps.dedup();
         for ep in eps {
             let set_name = names::nft_endpoint_name("affinity-", name, ep);
-            frag.sets.push(SetDef { name: set_name.clone(), key: KeyType::Ipv4, verdict_map: false, timeout_seconds: timeout, comment: None });
+            frag.sets.push(SetDef { name: set_name.clone(), key: KeyType::Addr, verdict_map: false, timeout_seconds: timeout, comment: None });
             frag.chains.push(chain(
                 &names::nft_endpoint_name("endpoint-", name, ep),
                 vec![Rule::new(vec![Expr::UpdateSaddr(set_name), Expr::L4Proto(proto), Expr::Dnat(ep.ip, ep.port)])],
@@ -223,14 +223,14 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     // Hairpin: a local endpoint reaching itself through the service must be masqueraded.
     for ep in cat.cluster.iter().chain(cat.local.iter()) {
         if ep.node_name.as_deref() == Some(settings.node.name.as_str()) {
-            frag.elements.push((HAIRPIN, Element { key: Key::Ipv4Ipv4(ep.ip, ep.ip), verdict: None, comment: None }));
+            frag.elements.push((HAIRPIN, Element { key: Key::AddrAddr(ep.ip, ep.ip), verdict: None, comment: None }));
         }
     }
 
     // ClusterIP.
     let (internal_ok, internal_chain) =
         if port.internal_policy_local { (has_local, &local_chain) } else { (has_cluster, &svc_chain) };
-    let cluster_key = Key::Ipv4ProtoPort(port.cluster_ip, proto, port.port);
+    let cluster_key = Key::AddrProtoPort(port.cluster_ip, proto, port.port);
     if internal_ok {
         frag.elements.push((SERVICE_IPS, element(cluster_key, Some(Verdict::Goto(internal_chain.clone())))));
     } else {
@@ -246,7 +246,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         .external_ips
         .iter()
         .chain(port.load_balancer_ips.iter())
-        .map(|ip| Key::Ipv4ProtoPort(*ip, proto, port.port))
+        .map(|ip| Key::AddrProtoPort(*ip, proto, port.port))
         .collect();
     if !external_ok {
         for key in external_keys {
@@ -259,7 +259,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     }
     let mut ext_rules = Vec::new();
     if port.external_policy_local {
-        if let (Some(cidr), true) = (settings.cluster_cidr, has_cluster) {
+        if let (Some(cidr), true) = (settings.cluster_cidr(port.family()), has_cluster) {
             ext_rules.push(
                 Rule::new(vec![Expr::SaddrIn(cidr, false), Expr::Verdict(Verdict::Goto(svc_chain.clone()))])
                     .comment("short-circuit pod traffic"),
@@ -284,7 +284,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     if let Some(np) = port.node_port {
         frag.elements.push((SERVICE_NODEPORTS, element(Key::ProtoPort(proto, np), Some(Verdict::Goto(ext_chain.clone())))));
     }
-    if !port.load_balancer_source_ranges.is_empty() && !port.load_balancer_ips.is_empty() {
+    if port.has_source_ranges() && !port.load_balancer_ips.is_empty() {
         let mut rules: Vec<Rule> = port
             .load_balancer_source_ranges
             .iter()
@@ -293,7 +293,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         rules.push(Rule::new(vec![Expr::Verdict(Verdict::Drop)]).comment("source not in loadBalancerSourceRanges"));
         frag.chains.push(chain(&fw_chain, rules));
         for ip in &port.load_balancer_ips {
-            let key = Key::Ipv4ProtoPort(*ip, proto, port.port);
+            let key = Key::AddrProtoPort(*ip, proto, port.port);
             frag.elements.push((FIREWALL_IPS, element(key, Some(Verdict::Goto(fw_chain.clone())))));
         }
     }
@@ -312,9 +312,9 @@ pub fn merge(ruleset: &mut Ruleset, frag: &Fragment) {
     }
 }
 
-/// The whole ruleset for a snapshot.
+/// The whole ruleset of a snapshot's family.
 pub fn full(snapshot: &Snapshot, settings: &Settings) -> Ruleset {
-    let mut ruleset = base(settings);
+    let mut ruleset = base(settings, snapshot.family);
     for (name, port) in &snapshot.services {
         let eps = snapshot.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
         merge(&mut ruleset, &service(port, eps, settings));

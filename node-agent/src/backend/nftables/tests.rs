@@ -1,15 +1,21 @@
 //! Tests of the nftables backend: the render is golden-tested against what the kernel lists back
-//! (`nft list table ip switchyard` is the oracle), and the netlink encoding is checked against
-//! `nft -f` of our own text render (both must list identically).
+//! (`nft list table ip switchyard` and `ip6 switchyard` are the oracle), and the netlink encoding
+//! is checked against `nft -f` of our own text render (both must list identically). The scenario
+//! exists in both families, as a dual-stack cluster would have it.
 
-use std::{fs::File, net::Ipv4Addr, os::fd::AsFd, path::PathBuf};
+use std::{
+    fs::File,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::AsFd,
+    path::PathBuf,
+};
 
 use nix::sched::{CloneFlags, setns};
 
 use super::*;
 use crate::{
     backend::Backend,
-    model::{Endpoint, Ipv4Net, NodeInfo, Protocol, ServicePort, ServicePortName, fixtures},
+    model::{DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServicePort, ServicePortName, fixtures},
 };
 
 /// A network namespace for one test, deleted on drop.
@@ -53,17 +59,48 @@ fn name(ns: &str, svc: &str, port: &str, protocol: Protocol) -> ServicePortName 
     fixtures::port_name(ns, svc, port, protocol)
 }
 
-fn port(n: ServicePortName, cip: [u8; 4], p: u16) -> ServicePort {
-    fixtures::cluster_ip(n, Ipv4Addr::from(cip), p)
+/// The scenario's address `a` in `family`: IPv4 as written; IPv6 maps `10.x.y.z` into
+/// `fd00:10:x:y::z` and the documentation ranges `192.0.2.z` / `203.0.113.z` into `2001:db8::z` /
+/// `2001:db8:113::z` (each decimal octet spelled as a hex group, so the addresses stay readable).
+fn addr(family: IpFamily, a: [u8; 4]) -> IpAddr {
+    match family {
+        IpFamily::V4 => Ipv4Addr::from(a).into(),
+        IpFamily::V6 => {
+            let text = match a {
+                [10, x, y, z] => format!("fd00:10:{x}:{y}::{z}"),
+                [192, 0, 2, z] => format!("2001:db8::{z}"),
+                [203, 0, 113, z] => format!("2001:db8:113::{z}"),
+                other => panic!("no IPv6 twin for {other:?}"),
+            };
+            text.parse::<Ipv6Addr>().expect("ipv6").into()
+        }
+    }
 }
 
-fn ep(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
-    fixtures::ready(Ipv4Addr::from(ip), port, node)
+/// The scenario in both families, as a dual-stack cluster has it.
+fn dual_scenario() -> (DualSnapshot, Settings) {
+    (DualSnapshot { v4: scenario_of(IpFamily::V4), v6: scenario_of(IpFamily::V6) }, settings())
 }
 
-/// The scenario every backend's golden test programs.
-pub(crate) fn scenario() -> (Snapshot, Settings) {
-    let mut s = Snapshot::default();
+fn settings() -> Settings {
+    Settings {
+        node: NodeInfo {
+            name: "node-1".into(),
+            addresses: vec![addr(IpFamily::V4, [10, 250, 0, 11]), addr(IpFamily::V6, [10, 250, 0, 11])],
+            zone: None,
+        },
+        cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr"), "fd00:10:244::/48".parse().expect("cidr")],
+        masquerade_all: false,
+        node_port_addresses: None,
+        masquerade_mark: 0x4000,
+        ipvs: Default::default(),
+    }
+}
+
+fn scenario_of(family: IpFamily) -> Snapshot {
+    let port = |n: ServicePortName, cip: [u8; 4], p: u16| fixtures::cluster_ip(n, addr(family, cip), p);
+    let ep = |ip: [u8; 4], port: u16, node: &str| -> Endpoint { fixtures::ready(addr(family, ip), port, node) };
+    let mut s = Snapshot::new(family);
     let mut add = |p: ServicePort, eps: Vec<Endpoint>| {
         if !eps.is_empty() {
             s.endpoints.insert(p.name.clone(), eps);
@@ -80,13 +117,17 @@ pub(crate) fn scenario() -> (Snapshot, Settings) {
     // NodePort + externalIP, SCTP.
     let mut np = port(name("default", "np", "", Protocol::Sctp), [10, 96, 0, 12], 9000);
     np.node_port = Some(30900);
-    np.external_ips = vec![Ipv4Addr::new(192, 0, 2, 10)];
+    np.external_ips = vec![addr(family, [192, 0, 2, 10])];
     add(np, vec![ep([10, 244, 2, 12], 9000, "node-2")]);
-    // LoadBalancer with source ranges, ETP=Local with a local endpoint.
+    // LoadBalancer with source ranges (not byte-aligned), ETP=Local with a local endpoint.
     let mut lb = port(name("web", "lb", "https", Protocol::Tcp), [10, 96, 0, 13], 443);
     lb.node_port = Some(30443);
-    lb.load_balancer_ips = vec![Ipv4Addr::new(192, 0, 2, 100)];
-    lb.load_balancer_source_ranges = vec!["203.0.113.0/25".parse().expect("net")];
+    lb.load_balancer_ips = vec![addr(family, [192, 0, 2, 100])];
+    let range = match family {
+        IpFamily::V4 => "203.0.113.0/25",
+        IpFamily::V6 => "2001:db8:113::/60",
+    };
+    lb.load_balancer_source_ranges = vec![range.parse::<IpNet>().expect("net")];
     lb.external_policy_local = true;
     lb.health_check_node_port = Some(31000);
     add(lb, vec![ep([10, 244, 1, 13], 8443, "node-1"), ep([10, 244, 2, 13], 8443, "node-2")]);
@@ -109,15 +150,7 @@ pub(crate) fn scenario() -> (Snapshot, Settings) {
     term.ready = false;
     term.terminating = true;
     add(port(name("web", "terminating", "", Protocol::Tcp), [10, 96, 0, 18], 80), vec![term]);
-    let settings = Settings {
-        node: NodeInfo { name: "node-1".into(), addresses: vec![Ipv4Addr::new(10, 250, 0, 11)], zone: None },
-        cluster_cidr: Some("10.244.0.0/16".parse::<Ipv4Net>().expect("cidr")),
-        masquerade_all: false,
-        node_port_addresses: None,
-        masquerade_mark: 0x4000,
-        ipvs: Default::default(),
-    };
-    (s, settings)
+    s
 }
 
 fn golden(file: &str, actual: &str) {
@@ -132,35 +165,43 @@ fn golden(file: &str, actual: &str) {
 
 #[test]
 fn render_text_is_golden() {
-    let (snap, settings) = scenario();
-    golden("scenario.render.nft", &render::full(&snap, &settings).text());
+    let (snap, settings) = dual_scenario();
+    golden("scenario.render.nft", &render::full(&snap.v4, &settings).text());
+    golden("scenario6.render.nft", &render::full(&snap.v6, &settings).text());
+}
+
+fn list(ns: &TestNetns, family: IpFamily) -> String {
+    ns.sh(&["nft", "list", "table", ir::family_name(family), "switchyard"])
 }
 
 #[test]
 fn kernel_lists_exactly_the_golden_ruleset_and_matches_nft_of_our_text() {
-    let (snap, settings) = scenario();
+    let (snap, settings) = dual_scenario();
     // Programmed over netlink.
     let ns = TestNetns::new("nft-golden");
     let (s2, set2) = (snap.clone(), settings.clone());
     let stats = ns
         .run(move || NftablesBackend::new(set2).sync(&s2, &Changes::default(), true).map_err(|e| e.to_string()))
         .expect("full sync");
-    assert_eq!(stats.services, snap.services.len());
-    let listed = ns.sh(&["nft", "list", "table", "ip", "switchyard"]);
+    assert_eq!(stats.services, snap.v4.services.len() + snap.v6.services.len());
+    let listed = list(&ns, IpFamily::V4);
     golden("scenario.list.nft", &listed);
+    let listed6 = list(&ns, IpFamily::V6);
+    golden("scenario6.list.nft", &listed6);
 
-    // The same ruleset loaded by nft from our text render lists identically.
+    // The same rulesets loaded by nft from our text render list identically.
     let oracle = TestNetns::new("nft-oracle");
     let script = std::env::temp_dir().join(format!("swyu{}-render.nft", std::process::id()));
-    std::fs::write(&script, render::full(&snap, &settings).text()).expect("write script");
+    std::fs::write(&script, NftablesBackend::new(settings).render_text(&snap)).expect("write script");
     oracle.sh(&["nft", "-f", &script.display().to_string()]);
     let _ = std::fs::remove_file(&script);
-    assert_eq!(listed, oracle.sh(&["nft", "list", "table", "ip", "switchyard"]));
+    assert_eq!(listed, list(&oracle, IpFamily::V4));
+    assert_eq!(listed6, list(&oracle, IpFamily::V6));
 }
 
 #[test]
 fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
-    let (mut snap, settings) = scenario();
+    let (mut snap, settings) = dual_scenario();
     let ns = TestNetns::new("nft-partial");
     let mut backend = NftablesBackend::new(settings.clone());
     let (s1, backend_full) = ns.run({
@@ -173,13 +214,18 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     let full = s1.expect("full sync");
     let mut backend = backend_full;
 
-    // Change one service (drop an endpoint of dns) and delete another (sticky).
-    let dns = snap.services.keys().find(|k| k.service.name == "dns").expect("dns").clone();
-    snap.endpoints.get_mut(&dns).expect("eps").pop();
-    let sticky = snap.services.keys().find(|k| k.service.name == "sticky").expect("sticky").clone();
-    snap.services.remove(&sticky);
-    snap.endpoints.remove(&sticky);
-    let changes = Changes { services: [dns.service.clone(), sticky.service.clone()].into_iter().collect() };
+    // In both families: change one service (drop an endpoint of dns) and delete another
+    // (sticky); in IPv6 only, delete a third (one), as when a Service becomes single-stack.
+    let key = |s: &Snapshot, svc: &str| s.services.keys().find(|k| k.service.name == svc).expect("service").clone();
+    let (dns, sticky, one) = (key(&snap.v4, "dns"), key(&snap.v4, "sticky"), key(&snap.v4, "one"));
+    for s in [&mut snap.v4, &mut snap.v6] {
+        s.endpoints.get_mut(&dns).expect("eps").pop();
+        s.services.remove(&sticky);
+        s.endpoints.remove(&sticky);
+    }
+    snap.v6.services.remove(&one);
+    snap.v6.endpoints.remove(&one);
+    let changes = Changes { services: [&dns, &sticky, &one].into_iter().map(|k| k.service.clone()).collect() };
     let (partial, backend2) = ns.run({
         let snap = snap.clone();
         move || {
@@ -190,16 +236,18 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     let partial = partial.expect("partial sync");
     assert!(!partial.full);
     assert!(partial.objects_written * 4 < full.objects_written, "partial {partial:?} vs full {full:?}");
-    let listed = ns.sh(&["nft", "list", "table", "ip", "switchyard"]);
-    assert!(!listed.contains("10.244.3.11"), "removed endpoint still programmed");
-    assert!(!listed.contains("web/sticky"), "deleted service still has chains or sets:\n{listed}");
-    assert!(!listed.contains("10.96.0.16"), "deleted service still in maps");
+    let (listed, listed6) = (list(&ns, IpFamily::V4), list(&ns, IpFamily::V6));
+    assert!(!listed.contains("10.244.3.11") && !listed6.contains("fd00:10:244:3::11"), "removed endpoint still programmed");
+    assert!(!listed.contains("web/sticky") && !listed6.contains("web/sticky"), "deleted service still has chains or sets");
+    assert!(!listed.contains("10.96.0.16") && !listed6.contains("fd00:10:96:0::16"), "deleted service still in maps");
+    assert!(listed.contains("10.96.0.11") && !listed6.contains("fd00:10:96::11"), "single-stack change");
     // The result equals a fresh full render of the new snapshot.
     let oracle = TestNetns::new("nft-partial-oracle");
     let s3 = snap.clone();
     let set3 = settings.clone();
     oracle.run(move || NftablesBackend::new(set3).sync(&s3, &Changes::default(), true).map(|_| ()).map_err(|e| e.to_string())).expect("oracle");
-    assert_eq!(listed, oracle.sh(&["nft", "list", "table", "ip", "switchyard"]));
+    assert_eq!(listed, list(&oracle, IpFamily::V4));
+    assert_eq!(listed6, list(&oracle, IpFamily::V6));
 
     let mut backend = backend2;
     ns.run(move || {
