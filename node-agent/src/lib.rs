@@ -8,6 +8,7 @@
 //! Only [`sys`] touches the kernel; [`probe`] decides from gathered facts; [`report`] talks to the API.
 
 pub mod model;
+pub mod conntrack;
 pub mod backend;
 pub mod driver;
 pub mod health;

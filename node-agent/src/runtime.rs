@@ -428,6 +428,8 @@ fn status(
 async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Result<()> {
     let mut driver: Option<Driver> = None;
     let mut need_full = true;
+    // What the last successful sync programmed: stale UDP flows are found against it.
+    let mut programmed: Option<DualSnapshot> = None;
     let mut last_sync = Instant::now() - config.min_sync_period;
     let mut last_full = Instant::now();
     let mut last_report: Option<Instant> = None;
@@ -474,9 +476,37 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         let full = need_full;
         let Some(mut owned) = driver.take() else { continue };
         let snap = snapshot.clone();
+        // Known before the sync, applied after it (so no entry is recreated by the old rules).
+        // A full sync may follow a failed one whose changes are gone: compare every Service then.
+        let stale = programmed.as_ref().map(|old| {
+            let all;
+            let compared = if full {
+                all = crate::model::Changes {
+                    services: [old, &snapshot]
+                        .into_iter()
+                        .flat_map(|d| d.families())
+                        .flat_map(|s| s.services.keys().map(|k| k.service.clone()))
+                        .collect(),
+                };
+                &all
+            } else {
+                &changes
+            };
+            crate::conntrack::stale_flows(old, &snapshot, compared, &settings.node)
+        });
         let (result, owned) = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let r = owned.sync(&snap, &changes, full);
+            if r.is_ok()
+                && let Some(stale) = stale.filter(|s| !s.is_empty())
+            {
+                for family in crate::model::IpFamily::ALL {
+                    match crate::sys::conntrack::delete_stale(family, &stale) {
+                        Ok(deleted) => tracing::info!(%family, rules = stale.len(), deleted, "deleted stale UDP conntrack entries"),
+                        Err(e) => tracing::warn!(%family, error = %e, "deleting stale UDP conntrack entries failed"),
+                    }
+                }
+            }
             (r.map(|s| (s, started.elapsed())), owned)
         })
         .await
@@ -486,6 +516,7 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         match result {
             Ok((stats, took)) => {
                 need_full = false;
+                programmed = Some(snapshot.clone());
                 if stats.full {
                     last_full = Instant::now();
                     shared.metrics.sync_full_duration.observe(took.as_secs_f64());

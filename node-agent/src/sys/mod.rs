@@ -3,6 +3,7 @@
 
 pub mod exec;
 pub mod netlink;
+pub mod conntrack;
 pub mod nft;
 pub mod genl;
 pub mod host;

@@ -1,0 +1,156 @@
+//! Conntrack over ctnetlink: dumps the entries of one family and deletes those a
+//! [`crate::conntrack::StaleFlows`] marks stale, by echoing each entry's original tuple back in a
+//! delete request.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use super::{
+    genl::find_attr,
+    netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Reply, Transport},
+};
+use crate::{
+    Result,
+    conntrack::{Flow, StaleFlows},
+    model::IpFamily,
+};
+
+const NETLINK_NETFILTER: isize = 12;
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_GET: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const NLM_F_DUMP: u16 = 0x300;
+const NLA_F_NESTED: u16 = 0x8000;
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_ZONE: u16 = 18;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_DST_PORT: u16 = 3;
+/// Deletes per request: keeps each send and its acks well inside the socket buffers.
+const DELETES_PER_REQUEST: usize = 256;
+
+fn kind(msg: u16) -> u16 {
+    (NFNL_SUBSYS_CTNETLINK << 8) | msg
+}
+
+fn nfproto(family: IpFamily) -> u8 {
+    match family {
+        IpFamily::V4 => 2,
+        IpFamily::V6 => 10,
+    }
+}
+
+fn address(tuple: &[u8], v4: u16, v6: u16) -> Option<IpAddr> {
+    let ip = find_attr(tuple, CTA_TUPLE_IP)?;
+    if let Some(b) = find_attr(ip, v4) {
+        return Some(Ipv4Addr::from(<[u8; 4]>::try_from(b).ok()?).into());
+    }
+    let b = find_attr(ip, v6)?;
+    Some(Ipv6Addr::from(<[u8; 16]>::try_from(b).ok()?).into())
+}
+
+/// The flow of one dumped entry (payload after the netlink header), and its raw original tuple.
+pub fn parse_entry(payload: &[u8]) -> Option<(Flow, &[u8])> {
+    let attrs = payload.get(4..)?;
+    let orig = find_attr(attrs, CTA_TUPLE_ORIG)?;
+    let reply = find_attr(attrs, CTA_TUPLE_REPLY)?;
+    let proto = find_attr(orig, CTA_TUPLE_PROTO)?;
+    let protocol = *find_attr(proto, CTA_PROTO_NUM)?.first()?;
+    let dport = find_attr(proto, CTA_PROTO_DST_PORT).and_then(|b| Some(u16::from_be_bytes(b.try_into().ok()?))).unwrap_or(0);
+    let flow = Flow {
+        protocol,
+        orig_dst: address(orig, CTA_IP_V4_DST, CTA_IP_V6_DST)?,
+        orig_dport: dport,
+        reply_src: address(reply, CTA_IP_V4_SRC, CTA_IP_V6_SRC)?,
+    };
+    Some((flow, orig))
+}
+
+/// Deletes every conntrack entry of `family` that `stale` matches; returns how many were deleted.
+/// Entries that vanish meanwhile (ENOENT) are not errors.
+pub fn delete_stale(family: IpFamily, stale: &StaleFlows) -> Result<usize> {
+    if stale.is_empty() {
+        return Ok(0);
+    }
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let header = [nfproto(family), 0, 0, 0];
+    let dump = MessageBuilder::new(kind(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, 1, &header).finish();
+    let replies: Vec<Reply> = transport.dump(&dump)?;
+    let mut deletes: Vec<Vec<u8>> = Vec::new();
+    for reply in replies.iter().filter(|r| r.error.is_none()) {
+        let Some((flow, orig)) = parse_entry(&reply.payload) else { continue };
+        if !stale.matches(&flow) {
+            continue;
+        }
+        let seq = deletes.len() as u32 + 1;
+        let mut msg = MessageBuilder::new(kind(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK, seq, &header)
+            .attr(CTA_TUPLE_ORIG | NLA_F_NESTED, orig);
+        if let Some(zone) = reply.payload.get(4..).and_then(|a| find_attr(a, CTA_ZONE)) {
+            msg = msg.attr(CTA_ZONE, zone);
+        }
+        deletes.push(msg.finish());
+    }
+    let mut deleted = 0;
+    for chunk in deletes.chunks(DELETES_PER_REQUEST) {
+        let seqs: Vec<u32> = chunk.iter().map(|m| u32::from_ne_bytes([m[8], m[9], m[10], m[11]])).collect();
+        let answers = transport.request(&chunk.concat(), &seqs)?;
+        deleted += answers.iter().filter(|r| r.error == Some(0)).count();
+        // ENOENT: the entry expired or was deleted between the dump and the delete.
+        let gone = -(nix::errno::Errno::ENOENT as i32);
+        if let Some(errno) = answers.iter().filter_map(|r| r.error).find(|e| *e != 0 && *e != gone) {
+            return Err(crate::Error::Netlink {
+                op: "delete conntrack entry",
+                source: std::io::Error::from_raw_os_error(-errno),
+            });
+        }
+    }
+    Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nest(kind: u16, inner: &[u8]) -> Vec<u8> {
+        attr(kind | NLA_F_NESTED, inner)
+    }
+
+    fn attr(kind: u16, payload: &[u8]) -> Vec<u8> {
+        let mut v = ((4 + payload.len()) as u16).to_ne_bytes().to_vec();
+        v.extend_from_slice(&kind.to_ne_bytes());
+        v.extend_from_slice(payload);
+        v.resize((v.len() + 3) & !3, 0);
+        v
+    }
+
+    fn tuple(src: [u8; 4], dst: [u8; 4], dport: u16) -> Vec<u8> {
+        let ip = [attr(CTA_IP_V4_SRC, &src), attr(CTA_IP_V4_DST, &dst)].concat();
+        let proto = [attr(CTA_PROTO_NUM, &[17]), attr(2, &40000u16.to_be_bytes()), attr(CTA_PROTO_DST_PORT, &dport.to_be_bytes())].concat();
+        [nest(CTA_TUPLE_IP, &ip), nest(CTA_TUPLE_PROTO, &proto)].concat()
+    }
+
+    #[test]
+    fn parses_the_original_destination_and_the_reply_source() {
+        // A DNATed UDP flow: client 10.244.1.12 -> 10.96.0.10:53, answered by 10.244.2.11:5353.
+        let orig = tuple([10, 244, 1, 12], [10, 96, 0, 10], 53);
+        let reply = tuple([10, 244, 2, 11], [10, 244, 1, 12], 40000);
+        let payload = [vec![2, 0, 0, 0], nest(CTA_TUPLE_ORIG, &orig), nest(CTA_TUPLE_REPLY, &reply)].concat();
+        let (flow, raw) = parse_entry(&payload).expect("entry");
+        assert_eq!(
+            flow,
+            Flow {
+                protocol: 17,
+                orig_dst: Ipv4Addr::new(10, 96, 0, 10).into(),
+                orig_dport: 53,
+                reply_src: Ipv4Addr::new(10, 244, 2, 11).into()
+            }
+        );
+        assert_eq!(raw, orig.as_slice());
+        assert_eq!(parse_entry(&payload[..8]), None, "truncated input is skipped, not a panic");
+    }
+}

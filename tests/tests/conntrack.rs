@@ -1,0 +1,107 @@
+//! UDP flows follow endpoint removal, per backend: a client that keeps sending from one socket
+//! keeps its conntrack entry (and the DNAT to the endpoint picked first) for as long as it sends,
+//! so removing that endpoint from the Service must delete the entry; the client's next datagrams
+//! then reach a remaining endpoint. Without the agent's conntrack cleanup the removed endpoint
+//! (still running here) would keep answering.
+
+use std::{
+    fs::File,
+    net::{SocketAddr, UdpSocket},
+    os::fd::AsFd,
+    time::{Duration, Instant},
+};
+
+use nix::sched::{CloneFlags, setns};
+use serde_json::json;
+use switchyard_e2e::{
+    agent::TestEnv,
+    objects::{Ep, apply_service, apply_slice},
+    traffic::start_server,
+};
+
+const DNS: &str = "10.96.0.53";
+
+/// A UDP socket bound to `port` inside `netns` (it stays in the namespace it was made in).
+fn udp_socket_in(netns: &str, port: u16) -> UdpSocket {
+    let path = format!("/run/netns/{netns}");
+    std::thread::spawn(move || {
+        let target = File::open(&path).expect("netns file");
+        setns(target.as_fd(), CloneFlags::CLONE_NEWNET).expect("setns");
+        let socket = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+        socket.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
+        socket
+    })
+    .join()
+    .expect("netns thread")
+}
+
+/// Sends one datagram and returns the answering server's name, if any answered in time.
+fn ask(socket: &UdpSocket, target: SocketAddr) -> Option<String> {
+    socket.send_to(b"?", target).ok()?;
+    let mut buf = [0u8; 256];
+    let (n, _) = socket.recv_from(&mut buf).ok()?;
+    String::from_utf8_lossy(&buf[..n]).split_whitespace().next().map(str::to_owned)
+}
+
+async fn scenario(mode: &str) {
+    let mut env = TestEnv::start(2, 2).await.expect("control plane and 2 namespace nodes");
+    let admin = env.cp.admin_client().await.expect("admin");
+    let nodes = env.cluster.nodes.clone();
+    let servers: Vec<_> = nodes.iter().map(|n| start_server(&n.pods[0], &[], &[5353]).expect("echo server")).collect();
+    apply_service(&admin, "dns", json!({"clusterIP": DNS, "ports": [{"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]}), None)
+        .await
+        .expect("dns");
+    let eps = [Ep::ready(nodes[0].pods[0].ip, &nodes[0].name), Ep::ready(nodes[1].pods[0].ip, &nodes[1].name)];
+    let ports = [("dns", 5353, "UDP")];
+    apply_slice(&admin, "dns", &ports, &eps).await.expect("dns slice");
+    env.start_agents(&["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1"]).await.expect("agents");
+
+    // One client socket, one conntrack entry: it sticks to the endpoint that answered first.
+    let socket = udp_socket_in(&nodes[0].pods[1].netns, 40053);
+    let target: SocketAddr = format!("{DNS}:53").parse().expect("addr");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let first = loop {
+        if let Some(name) = ask(&socket, target) {
+            break name;
+        }
+        assert!(Instant::now() < deadline, "{mode}: the service never answered");
+    };
+    for _ in 0..10 {
+        assert_eq!(ask(&socket, target).as_deref(), Some(first.as_str()), "{mode}: one socket, one endpoint");
+    }
+
+    // Remove the endpoint that answered; keep sending from the same socket.
+    let (gone, kept): (Vec<Ep>, Vec<Ep>) = eps.iter().cloned().partition(|e| first.starts_with(&e.node));
+    assert_eq!((gone.len(), kept.len()), (1, 1), "{mode}: {first} is one of the endpoints");
+    apply_slice(&admin, "dns", &ports, &kept).await.expect("shrink");
+    let removed_at = Instant::now();
+    let mut answers = Vec::new();
+    let moved = loop {
+        let answer = ask(&socket, target);
+        if let Some(name) = answer.as_ref().filter(|n| **n != first) {
+            break Some(name.clone());
+        }
+        answers.push(answer);
+        if removed_at.elapsed() > Duration::from_secs(15) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let moved = moved.unwrap_or_else(|| panic!("{mode}: the flow stayed on the removed endpoint {first}: {answers:?}"));
+    println!("{mode}: UDP flow moved from {first} to {moved} {:?} after the endpoint left", removed_at.elapsed());
+    // It stays there: the old entry is gone, not just bypassed once.
+    for _ in 0..10 {
+        assert_eq!(ask(&socket, target).as_deref(), Some(moved.as_str()), "{mode}: the flow went back");
+    }
+    drop(servers);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nftables_udp_flows_leave_removed_endpoints() {
+    scenario("nftables").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iptables_udp_flows_leave_removed_endpoints() {
+    scenario("iptables").await;
+}
