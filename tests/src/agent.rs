@@ -37,17 +37,20 @@ pub fn install_switchyard(cp: &ControlPlane) -> Result<()> {
     Ok(())
 }
 
-/// Creates the Node object for a namespace node (addresses and pod CIDR as in the fabric).
+/// Creates the Node object for a namespace node (addresses and pod CIDRs as in the fabric), dual-stack
+/// as a dual-stack kubelet and node IPAM register it: both InternalIPs and both pod CIDRs, IPv4
+/// first (the cluster's primary family; `podCIDR` is the first of `podCIDRs`).
 pub async fn create_node(cp: &ControlPlane, node: &netns::Node) -> Result<Node> {
     let nodes: Api<Node> = Api::all(cp.admin_client().await?);
     let object: Node = serde_json::from_value(json!({
         "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
-        "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr]},
+        "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr, node.pod_cidr6]},
     }))
     .map_err(|e| Error::Prerequisite(e.to_string()))?;
     let created = nodes.create(&PostParams::default(), &object).await?;
     let status = json!({"status": {"addresses": [
         {"type": "InternalIP", "address": node.ip.to_string()},
+        {"type": "InternalIP", "address": node.ip6.to_string()},
         {"type": "Hostname", "address": node.name},
     ]}});
     nodes
@@ -130,6 +133,11 @@ impl Agent {
     /// The agent's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The agent's exit status once it has exited (it never should on its own).
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 }
 

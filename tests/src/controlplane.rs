@@ -1,6 +1,6 @@
 //! A real control plane for tests: etcd and kube-apiserver on free loopback ports, generated
-//! certificates, RBAC on, service-account token signing. Clients for an admin and for any service
-//! account. Stopped and removed on drop.
+//! certificates, RBAC on, service-account token signing, dual-stack Service CIDRs (IPv4 primary).
+//! Clients for an admin and for any service account. Stopped and removed on drop.
 
 use std::{
     net::{IpAddr, Ipv4Addr, TcpListener},
@@ -24,8 +24,10 @@ use crate::{Error, Result, binaries, io_err, pki::Pki, sweep};
 /// Address the `default/kubernetes` Service points at, reachable from node namespaces through the
 /// fabric (see [`crate::netns`]). The apiserver itself listens on 127.0.0.1 in the root namespace.
 pub const ADVERTISE_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 1);
-/// Service CIDR of the test cluster.
+/// Service CIDR of the test cluster (its primary family: Services without `ipFamilies` are IPv4).
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// IPv6 Service CIDR of the (dual-stack) test cluster.
+pub const SERVICE_CIDR6: &str = "fd00:10:96::/112";
 
 fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io_err("bind free port"))?;
@@ -91,7 +93,7 @@ impl ControlPlane {
                 &format!("--tls-cert-file={d}/apiserver.crt"),
                 &format!("--tls-private-key-file={d}/apiserver.key"),
                 &format!("--client-ca-file={d}/ca.crt"),
-                &format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                &format!("--service-cluster-ip-range={SERVICE_CIDR},{SERVICE_CIDR6}"),
                 "--service-account-issuer=https://kubernetes.default.svc",
                 &format!("--service-account-key-file={d}/sa.pub"),
                 &format!("--service-account-signing-key-file={d}/sa.key"),

@@ -14,7 +14,37 @@ pub mod sweep;
 pub mod tools;
 pub mod traffic;
 
-use std::time::{Duration, Instant};
+use std::{
+    net::IpAddr,
+    time::{Duration, Instant},
+};
+
+/// An IP family of the dual-stack test cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    /// IPv4.
+    V4,
+    /// IPv6.
+    V6,
+}
+
+impl Family {
+    /// Both families, IPv4 first (the cluster's primary family).
+    pub const BOTH: [Family; 2] = [Family::V4, Family::V6];
+
+    /// The family's name in the Kubernetes API (`ipFamilies`, EndpointSlice `addressType`).
+    pub fn k8s_name(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+
+    /// The family of an address.
+    pub fn of(ip: IpAddr) -> Self {
+        if ip.is_ipv4() { Family::V4 } else { Family::V6 }
+    }
+}
 
 /// Errors of the harness. Tests usually `expect()` these with context.
 #[derive(Debug, thiserror::Error)]

@@ -1,20 +1,27 @@
-//! Nodes that are network namespaces.
+//! Nodes that are network namespaces, dual-stack: every IPv4 address has an IPv6 (ULA) twin.
 //!
 //! ```text
-//!   fabric ns: bridge br0 10.250.0.1/24 ── forwards 10.250.0.1:PORT to the apiserver on the root
-//!      │                                   namespace's 127.0.0.1 (a socket made in the fabric,
-//!      │                                   connected out from the root namespace)
-//!   node-i ns: eth0 10.250.0.(10+i)/24, default via 10.250.0.1, pod bridge cbr0 10.244.i.1/24,
-//!      │       routes to other nodes' pod CIDRs via their node IPs (host-gw style)
-//!   pod ns:    eth0 10.244.i.(10+k)/24, default via 10.244.i.1
+//!   fabric ns: bridge br0 10.250.0.1/24, fd00:10:250::1/64 ── forwards 10.250.0.1:PORT to the
+//!      │       apiserver on the root namespace's 127.0.0.1 (a socket made in the fabric, connected
+//!      │       out from the root namespace); routes each node's pod CIDRs via its node IPs
+//!   node-i ns: eth0 10.250.0.(10+i)/24, fd00:10:250::(10+i)/64, default via 10.250.0.1 and
+//!      │       fd00:10:250::1; pod bridge cbr0 10.244.i.1/24, fd00:10:244:i::1/64; routes to other
+//!      │       nodes' pod CIDRs via their node IPs (host-gw style)
+//!   pod ns:    eth0 10.244.i.(10+k)/24, fd00:10:244:i::(10+k)/64, default via 10.244.i.1 and
+//!              fd00:10:244:i::1
 //! ```
+//! The IPv6 addresses mirror the IPv4 ones digit for digit (node-1 is `10.250.0.11` and
+//! `fd00:10:250::11`). The fabric and the nodes forward both families; addresses skip duplicate
+//! address detection (`nodad`, `accept_dad=0`) so they are usable at once, and the bridges do no
+//! multicast snooping (neighbour discovery is multicast).
+//!
 //! Private addresses exist only inside these namespaces; nothing is routed to or from the root
 //! namespace. Dropping the [`Cluster`] stops the forwarder and deletes every namespace.
 
 use std::{
     fs::File,
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, TcpListener, TcpStream},
     os::fd::AsFd,
     sync::{
         Arc,
@@ -26,7 +33,19 @@ use std::{
 
 use nix::sched::{CloneFlags, setns};
 
-use crate::{Error, Result, controlplane, io_err, run, sweep};
+use crate::{Error, Family, Result, controlplane, io_err, run, sweep};
+
+/// The fabric's IPv6 address (its IPv4 one is [`controlplane::ADVERTISE_ADDRESS`]): the nodes'
+/// IPv6 default gateway, and the source address of IPv6 traffic from outside the cluster.
+pub const FABRIC_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x250, 0, 0, 0, 0, 1);
+/// The pod network of every node, IPv4 (`10.244.i.0/24` per node).
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// The pod network of every node, IPv6 (`fd00:10:244:i::/64` per node).
+pub const CLUSTER_CIDR6: &str = "fd00:10:244::/56";
+/// The fabric subnet, IPv4.
+pub const FABRIC_CIDR: &str = "10.250.0.0/24";
+/// The fabric subnet, IPv6.
+pub const FABRIC_CIDR6: &str = "fd00:10:250::/64";
 
 /// One node namespace.
 #[derive(Debug, Clone)]
@@ -37,8 +56,12 @@ pub struct Node {
     pub netns: String,
     /// Node IP on the fabric.
     pub ip: Ipv4Addr,
+    /// Node IPv6 address on the fabric, `fd00:10:250::(10+i)`.
+    pub ip6: Ipv6Addr,
     /// Pod CIDR `10.244.i.0/24`.
     pub pod_cidr: String,
+    /// IPv6 pod CIDR `fd00:10:244:i::/64`.
+    pub pod_cidr6: String,
     /// Pods behind this node.
     pub pods: Vec<Pod>,
 }
@@ -52,6 +75,36 @@ pub struct Pod {
     pub netns: String,
     /// Pod IP.
     pub ip: Ipv4Addr,
+    /// Pod IPv6 address, `fd00:10:244:i::(10+k)`.
+    pub ip6: Ipv6Addr,
+}
+
+impl Node {
+    /// The node's address of `family`.
+    pub fn ip_of(&self, family: Family) -> IpAddr {
+        match family {
+            Family::V4 => IpAddr::V4(self.ip),
+            Family::V6 => IpAddr::V6(self.ip6),
+        }
+    }
+}
+
+impl Pod {
+    /// The pod's address of `family`.
+    pub fn ip_of(&self, family: Family) -> IpAddr {
+        match family {
+            Family::V4 => IpAddr::V4(self.ip),
+            Family::V6 => IpAddr::V6(self.ip6),
+        }
+    }
+}
+
+/// The fabric's (the outside world's) address of `family`.
+pub fn fabric_ip(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(controlplane::ADVERTISE_ADDRESS),
+        Family::V6 => IpAddr::V6(FABRIC_IP6),
+    }
 }
 
 /// A fabric with node and pod namespaces.
@@ -71,8 +124,19 @@ fn ip_in(ns: &str, args: &[&str]) -> Result<String> {
     run("ip", &full)
 }
 
+fn ip6_in(ns: &str, args: &[&str]) -> Result<String> {
+    let mut full = vec!["-6", "-n", ns];
+    full.extend_from_slice(args);
+    run("ip", &full)
+}
+
 fn sysctl_in(ns: &str, key: &str, value: &str) -> Result<String> {
     run("ip", &["netns", "exec", ns, "sysctl", "-qw", &format!("{key}={value}")])
+}
+
+/// Parses an IPv6 address written from the IPv4 layout (`fd00:10:250::11` for node-1).
+fn v6(text: String) -> Result<Ipv6Addr> {
+    text.parse().map_err(|_| Error::Prerequisite(format!("not an IPv6 address: {text}")))
 }
 
 impl Cluster {
@@ -91,31 +155,42 @@ impl Cluster {
             forwarder: None,
         };
         cluster.add_netns(&fabric)?;
-        ip_in(&fabric, &["link", "add", "br0", "type", "bridge"])?;
+        ip_in(&fabric, &["link", "add", "br0", "type", "bridge", "mcast_snooping", "0"])?;
         ip_in(&fabric, &["addr", "add", &format!("{}/24", controlplane::ADVERTISE_ADDRESS), "dev", "br0"])?;
+        ip6_in(&fabric, &["addr", "add", &format!("{FABRIC_IP6}/64"), "dev", "br0", "nodad"])?;
         ip_in(&fabric, &["link", "set", "br0", "up"])?;
         sysctl_in(&fabric, "net.ipv4.ip_forward", "1")?;
+        sysctl_in(&fabric, "net.ipv6.conf.all.forwarding", "1")?;
 
         for i in 1..=nodes {
             let name = format!("node-{i}");
             let netns = format!("{prefix}-{name}");
             let ip = Ipv4Addr::new(10, 250, 0, 10 + i as u8);
+            let ip6 = v6(format!("fd00:10:250::{}", 10 + i))?;
             cluster.add_netns(&netns)?;
             ip_in(&fabric, &["link", "add", &format!("n{i}"), "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
             ip_in(&fabric, &["link", "set", &format!("n{i}"), "master", "br0", "up"])?;
             ip_in(&netns, &["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+            ip6_in(&netns, &["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
             ip_in(&netns, &["link", "set", "eth0", "up"])?;
             ip_in(&netns, &["route", "add", "default", "via", &controlplane::ADVERTISE_ADDRESS.to_string()])?;
-            ip_in(&netns, &["link", "add", "cbr0", "type", "bridge"])?;
+            ip6_in(&netns, &["route", "add", "default", "via", &FABRIC_IP6.to_string()])?;
+            ip_in(&netns, &["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"])?;
             ip_in(&netns, &["addr", "add", &format!("10.244.{i}.1/24"), "dev", "cbr0"])?;
+            let gateway6 = v6(format!("fd00:10:244:{i}::1"))?;
+            ip6_in(&netns, &["addr", "add", &format!("{gateway6}/64"), "dev", "cbr0", "nodad"])?;
             ip_in(&netns, &["link", "set", "cbr0", "up"])?;
             sysctl_in(&netns, "net.ipv4.ip_forward", "1")?;
+            sysctl_in(&netns, "net.ipv6.conf.all.forwarding", "1")?;
             let pod_cidr = format!("10.244.{i}.0/24");
+            let pod_cidr6 = format!("fd00:10:244:{i}::/64");
             ip_in(&fabric, &["route", "add", &pod_cidr, "via", &ip.to_string()])?;
-            let mut node = Node { name, netns: netns.clone(), ip, pod_cidr, pods: Vec::new() };
+            ip6_in(&fabric, &["route", "add", &pod_cidr6, "via", &ip6.to_string()])?;
+            let mut node = Node { name, netns: netns.clone(), ip, ip6, pod_cidr, pod_cidr6, pods: Vec::new() };
             for k in 1..=pods_per_node {
                 let pod_ns = format!("{netns}-p{k}");
                 let pod_ip = Ipv4Addr::new(10, 244, i as u8, 10 + k as u8);
+                let pod_ip6 = v6(format!("fd00:10:244:{i}::{}", 10 + k))?;
                 cluster.add_netns(&pod_ns)?;
                 ip_in(&netns, &["link", "add", &format!("p{k}"), "type", "veth", "peer", "name", "eth0", "netns", &pod_ns])?;
                 ip_in(&netns, &["link", "set", &format!("p{k}"), "master", "cbr0", "up"])?;
@@ -123,9 +198,11 @@ impl Cluster {
                 // through a Service is bridged back out of the port it came in on.
                 ip_in(&netns, &["link", "set", &format!("p{k}"), "type", "bridge_slave", "hairpin", "on"])?;
                 ip_in(&pod_ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+                ip6_in(&pod_ns, &["addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"])?;
                 ip_in(&pod_ns, &["link", "set", "eth0", "up"])?;
                 ip_in(&pod_ns, &["route", "add", "default", "via", &format!("10.244.{i}.1")])?;
-                node.pods.push(Pod { name: format!("{}-pod-{k}", node.name), netns: pod_ns, ip: pod_ip });
+                ip6_in(&pod_ns, &["route", "add", "default", "via", &gateway6.to_string()])?;
+                node.pods.push(Pod { name: format!("{}-pod-{k}", node.name), netns: pod_ns, ip: pod_ip, ip6: pod_ip6 });
             }
             cluster.nodes.push(node);
         }
@@ -133,6 +210,7 @@ impl Cluster {
         for a in &cluster.nodes {
             for b in cluster.nodes.iter().filter(|b| b.name != a.name) {
                 ip_in(&a.netns, &["route", "add", &b.pod_cidr, "via", &b.ip.to_string()])?;
+                ip6_in(&a.netns, &["route", "add", &b.pod_cidr6, "via", &b.ip6.to_string()])?;
             }
         }
         cluster.start_forwarder(apiserver_port)?;
@@ -142,6 +220,9 @@ impl Cluster {
     fn add_netns(&mut self, name: &str) -> Result<()> {
         run("ip", &["netns", "add", name])?;
         self.all_netns.push(name.to_owned());
+        // Before any interface exists here, so every one (link-local addresses too) inherits it.
+        sysctl_in(name, "net.ipv6.conf.all.accept_dad", "0")?;
+        sysctl_in(name, "net.ipv6.conf.default.accept_dad", "0")?;
         ip_in(name, &["link", "set", "lo", "up"])?;
         Ok(())
     }

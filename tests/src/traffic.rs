@@ -1,10 +1,12 @@
 //! Real traffic in the namespace nodes: `swy-echo` servers in pod namespaces answer with their
 //! identity; clients in any namespace make bounded TCP/UDP attempts and report what answered.
+//! Servers listen on both families; targets are IPv4 or IPv6 socket addresses, and the peer a
+//! server saw reads `a.b.c.d:port` or `[v6]:port`.
 
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader},
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     process::{Child, Command, Stdio},
     time::Duration,
 };
@@ -53,7 +55,7 @@ pub enum Outcome {
     Answered {
         /// Server (pod) name.
         server: String,
-        /// Source address the server saw.
+        /// Source address the server saw: `a.b.c.d:port` or `[v6]:port`.
         peer: String,
     },
     /// Connection refused (ICMP port unreachable or RST).
@@ -69,6 +71,14 @@ impl Outcome {
     pub fn server(&self) -> Option<&str> {
         match self {
             Outcome::Answered { server, .. } => Some(server),
+            _ => None,
+        }
+    }
+
+    /// The source IP the answering server saw, if any.
+    pub fn peer_ip(&self) -> Option<IpAddr> {
+        match self {
+            Outcome::Answered { peer, .. } => peer.parse::<SocketAddr>().ok().map(|p| p.ip()),
             _ => None,
         }
     }

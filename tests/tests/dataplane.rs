@@ -4,15 +4,27 @@
 //! internalTrafficPolicy=Local, terminating-endpoint fallback, no endpoints → refused at once,
 //! hairpin, endpoint removal, Service deletion (checked in the kernel), agent restart without
 //! a data-path flush, and `--cleanup`.
+//!
+//! The same matrix runs twice per backend: on IPv4 Services (`*_serves_every_service_feature`), and
+//! on dual-stack Services (`*_over_ipv6`: `RequireDualStack` with fixed ClusterIPs of both
+//! families, an EndpointSlice per family, IPv6 externalIPs, LoadBalancer ingress IPs and source
+//! ranges), where every feature is checked over both families, each through its own addresses,
+//! plus an IPv6-only Service. The dual-stack run gives the agent `--cluster-cidr` of both families
+//! and reads the kernel of both: `nft list ruleset` (tables `ip switchyard` and `ip6 switchyard`),
+//! `iptables-*-save` and `ip6tables-*-save`.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 
-use serde_json::json;
+use serde_json::{Value, json};
 use switchyard_e2e::{
+    Family,
     agent::{Agent, TestEnv},
     binaries,
-    netns::Cluster,
-    objects::{Ep, apply_service, apply_slice, delete_service},
+    netns::{self, Cluster, Node, Pod},
+    objects::{Ep, apply_service, apply_slice_family, delete_service},
     traffic::{Outcome, http_get, probe, start_server, tally},
 };
 
@@ -26,8 +38,99 @@ const ITP: &str = "10.96.0.106";
 const EXTERNAL_IP: &str = "172.18.0.10";
 const LB_IP: &str = "172.18.0.100";
 
+// The IPv6 twins, from the cluster's IPv6 Service CIDR (fd00:10:96::/112) and, for the addresses
+// outside the cluster, from fd00:10:251::/64, which the fabric routes to node-1.
+const WEB6: &str = "fd00:10:96::100";
+const STICKY6: &str = "fd00:10:96::101";
+const NODEPORT_SVC6: &str = "fd00:10:96::102";
+const LOCAL_SVC6: &str = "fd00:10:96::103";
+const EMPTY6: &str = "fd00:10:96::104";
+const TERMINATING6: &str = "fd00:10:96::105";
+const ITP6: &str = "fd00:10:96::106";
+/// ClusterIP of the IPv6-only (SingleStack IPv6) Service of the dual-stack run.
+const V6_ONLY: &str = "fd00:10:96::107";
+const EXTERNAL_IP6: &str = "fd00:10:251::10";
+const LB_IP6: &str = "fd00:10:251::100";
+
+/// The Services' IP families in one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stack {
+    /// IPv4 Services, as the API defaults them in this (IPv4-primary) cluster.
+    V4,
+    /// `RequireDualStack` Services, IPv4 first.
+    Dual,
+}
+
+impl Stack {
+    fn families(self) -> &'static [Family] {
+        match self {
+            Stack::V4 => &[Family::V4],
+            Stack::Dual => &Family::BOTH,
+        }
+    }
+
+    /// The agent's `--cluster-cidr`: one CIDR per family, comma-separated.
+    fn cluster_cidr(self) -> &'static str {
+        match self {
+            Stack::V4 => "10.244.0.0/16",
+            Stack::Dual => "10.244.0.0/16,fd00:10:244::/56",
+        }
+    }
+}
+
+/// The addresses of one family.
+struct Addrs {
+    web: &'static str,
+    sticky: &'static str,
+    empty: &'static str,
+    terminating: &'static str,
+    itp: &'static str,
+    external_ip: &'static str,
+    lb_ip: &'static str,
+}
+
+fn addrs(family: Family) -> Addrs {
+    match family {
+        Family::V4 => Addrs { web: WEB, sticky: STICKY, empty: EMPTY, terminating: TERMINATING, itp: ITP, external_ip: EXTERNAL_IP, lb_ip: LB_IP },
+        Family::V6 => Addrs { web: WEB6, sticky: STICKY6, empty: EMPTY6, terminating: TERMINATING6, itp: ITP6, external_ip: EXTERNAL_IP6, lb_ip: LB_IP6 },
+    }
+}
+
 fn addr(ip: &str, port: u16) -> SocketAddr {
     SocketAddr::new(ip.parse().expect("ip"), port)
+}
+
+/// A Service spec with the run's ClusterIPs added to `spec`: `clusterIP` alone (IPv4), or
+/// `RequireDualStack` with `clusterIPs` of both families.
+fn with_cluster_ips(stack: Stack, v4: &str, v6: &str, mut spec: Value) -> Value {
+    let fields = spec.as_object_mut().expect("a spec is an object");
+    fields.insert("clusterIP".into(), json!(v4));
+    if stack == Stack::Dual {
+        fields.insert("clusterIPs".into(), json!([v4, v6]));
+        fields.insert("ipFamilyPolicy".into(), json!("RequireDualStack"));
+        fields.insert("ipFamilies".into(), json!(["IPv4", "IPv6"]));
+    }
+    spec
+}
+
+/// `[v4]`, or `[v4, v6]` in the dual-stack run (externalIPs, source ranges).
+fn per_stack(stack: Stack, v4: &str, v6: &str) -> Value {
+    match stack {
+        Stack::V4 => json!([v4]),
+        Stack::Dual => json!([v4, v6]),
+    }
+}
+
+/// Applies `service`'s EndpointSlice of every family of the run, with `pods` (and the nodes they
+/// run on) as endpoints, ready or terminating.
+async fn slices(admin: &kube::Client, stack: Stack, service: &str, ports: &[(&str, u16, &str)], pods: &[(&Pod, &Node)], terminating: bool) {
+    for &family in stack.families() {
+        let eps: Vec<Ep> = pods
+            .iter()
+            .map(|(p, n)| if terminating { Ep::terminating(p.ip_of(family), &n.name) } else { Ep::ready(p.ip_of(family), &n.name) })
+            .collect();
+        apply_slice_family(admin, service, family, ports, &eps).await.unwrap_or_else(|e| panic!("{service} {family:?} slice: {e}"));
+    }
 }
 
 fn answered_all(outcomes: &[Outcome]) -> bool {
@@ -58,16 +161,35 @@ fn rules_only(text: &str) -> String {
         .join("\n")
 }
 
-fn kernel_state(netns: &str, mode: &str) -> String {
-    let args: Vec<&str> = if mode == "nftables" {
-        vec!["nft", "list", "ruleset"]
-    } else {
-        vec!["sh", "-c", "iptables-legacy-save; iptables-nft-save"]
+/// Everything of the backend in the node's kernel: the whole nftables ruleset (every family's
+/// tables), or both iptables variants' saves, and in the dual-stack run the ip6tables ones too.
+fn kernel_state(netns: &str, mode: &str, stack: Stack) -> String {
+    let args: Vec<&str> = match (mode, stack) {
+        ("nftables", _) => vec!["nft", "list", "ruleset"],
+        (_, Stack::V4) => vec!["sh", "-c", "iptables-legacy-save; iptables-nft-save"],
+        (_, Stack::Dual) => vec!["sh", "-c", "iptables-legacy-save; iptables-nft-save; ip6tables-legacy-save; ip6tables-nft-save"],
     };
     Cluster::exec(netns, &args).unwrap_or_default()
 }
 
-async fn scenario(mode: &str) {
+/// The backend's rules of one family: table `ip switchyard` or `ip6 switchyard`, or the
+/// `iptables-save` or `ip6tables-save` output of both variants.
+fn family_state(netns: &str, mode: &str, family: Family) -> String {
+    let command = match (mode, family) {
+        ("nftables", Family::V4) => "nft list table ip switchyard",
+        ("nftables", Family::V6) => "nft list table ip6 switchyard",
+        (_, Family::V4) => "iptables-legacy-save; iptables-nft-save",
+        (_, Family::V6) => "ip6tables-legacy-save; ip6tables-nft-save",
+    };
+    Cluster::exec(netns, &["sh", "-c", command]).unwrap_or_default()
+}
+
+async fn scenario(mode: &str, stack: Stack) {
+    let run = match stack {
+        Stack::V4 => mode.to_owned(),
+        Stack::Dual => format!("{mode} dual-stack"),
+    };
+    let families = stack.families();
     let mut env = TestEnv::start(3, 2).await.expect("control plane and 3 namespace nodes");
     let admin = env.cp.admin_client().await.expect("admin");
     let nodes = env.cluster.nodes.clone();
@@ -76,45 +198,91 @@ async fn scenario(mode: &str) {
     for node in &nodes {
         servers.push(start_server(&node.pods[0], &[8080], &[5353]).expect("echo server"));
     }
-    // The fabric plays an external router: external and LB IPs are routed to node-1.
-    for ip in [EXTERNAL_IP, LB_IP] {
-        Cluster::exec(&env.cluster.fabric, &["ip", "route", "add", &format!("{ip}/32"), "via", &n1.ip.to_string()]).expect("route");
+    // The topology itself carries every family of the run, pod to pod, before any agent runs.
+    for &f in families {
+        let o = probe(&n1.pods[1].netns, SocketAddr::new(n2.pods[0].ip_of(f), 8080), false, 2, 1000).expect("probe");
+        assert!(o.iter().all(|x| x.peer_ip() == Some(n1.pods[1].ip_of(f))), "{run} {f:?}: pod to pod without Services: {o:?}");
     }
-    let eps_all = [Ep::ready(n1.pods[0].ip, &n1.name), Ep::ready(n2.pods[0].ip, &n2.name), Ep::ready(n3.pods[0].ip, &n3.name)];
+    // The fabric plays an external router: external and LB IPs are routed to node-1.
+    for &f in families {
+        let a = addrs(f);
+        for ip in [a.external_ip, a.lb_ip] {
+            let (flag, len) = if f == Family::V4 { ("-4", 32) } else { ("-6", 128) };
+            Cluster::exec(&env.cluster.fabric, &["ip", flag, "route", "add", &format!("{ip}/{len}"), "via", &n1.ip_of(f).to_string()])
+                .expect("route");
+        }
+    }
+    let all = [(&n1.pods[0], n1), (&n2.pods[0], n2), (&n3.pods[0], n3)];
+    let web_ports = [("http", 8080, "TCP"), ("dns", 5353, "UDP")];
     let http = [("http", 8080, "TCP")];
-    apply_service(&admin, "web", json!({"clusterIP": WEB, "ports": [
+    apply_service(&admin, "web", with_cluster_ips(stack, WEB, WEB6, json!({"ports": [
         {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"},
-        {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]}), None).await.expect("web");
-    apply_slice(&admin, "web", &[("http", 8080, "TCP"), ("dns", 5353, "UDP")], &eps_all).await.expect("web slice");
-    apply_service(&admin, "sticky", json!({"clusterIP": STICKY, "sessionAffinity": "ClientIP",
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("sticky");
-    apply_slice(&admin, "sticky", &http, &eps_all).await.expect("sticky slice");
-    apply_service(&admin, "np", json!({"type": "NodePort", "clusterIP": NODEPORT_SVC, "externalIPs": [EXTERNAL_IP],
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]}), None).await.expect("np");
-    apply_slice(&admin, "np", &http, &[Ep::ready(n2.pods[0].ip, &n2.name)]).await.expect("np slice");
-    apply_service(&admin, "local", json!({"type": "LoadBalancer", "clusterIP": LOCAL_SVC, "externalTrafficPolicy": "Local",
-        "healthCheckNodePort": 30999, "loadBalancerSourceRanges": ["10.250.0.0/24"],
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30081}]}),
-        Some(json!({"loadBalancer": {"ingress": [{"ip": LB_IP}]}}))).await.expect("local");
-    apply_slice(&admin, "local", &http, &[Ep::ready(n1.pods[0].ip, &n1.name), Ep::ready(n2.pods[0].ip, &n2.name)]).await.expect("local slice");
-    apply_service(&admin, "empty", json!({"clusterIP": EMPTY, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("empty");
-    apply_service(&admin, "term", json!({"clusterIP": TERMINATING, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("term");
-    apply_slice(&admin, "term", &http, &[Ep::terminating(n3.pods[0].ip, &n3.name)]).await.expect("term slice");
-    apply_service(&admin, "itp", json!({"clusterIP": ITP, "internalTrafficPolicy": "Local",
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("itp");
-    apply_slice(&admin, "itp", &http, &[Ep::ready(n2.pods[0].ip, &n2.name)]).await.expect("itp slice");
+        {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]})), None).await.expect("web");
+    slices(&admin, stack, "web", &web_ports, &all, false).await;
+    apply_service(&admin, "sticky", with_cluster_ips(stack, STICKY, STICKY6, json!({"sessionAffinity": "ClientIP",
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("sticky");
+    slices(&admin, stack, "sticky", &http, &all, false).await;
+    apply_service(&admin, "np", with_cluster_ips(stack, NODEPORT_SVC, NODEPORT_SVC6, json!({"type": "NodePort",
+        "externalIPs": per_stack(stack, EXTERNAL_IP, EXTERNAL_IP6),
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]})), None).await.expect("np");
+    slices(&admin, stack, "np", &http, &[(&n2.pods[0], n2)], false).await;
+    let ingress: Vec<Value> = families.iter().map(|&f| json!({"ip": addrs(f).lb_ip})).collect();
+    apply_service(&admin, "local", with_cluster_ips(stack, LOCAL_SVC, LOCAL_SVC6, json!({"type": "LoadBalancer",
+        "externalTrafficPolicy": "Local", "healthCheckNodePort": 30999,
+        "loadBalancerSourceRanges": per_stack(stack, netns::FABRIC_CIDR, netns::FABRIC_CIDR6),
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30081}]})),
+        Some(json!({"loadBalancer": {"ingress": ingress}}))).await.expect("local");
+    slices(&admin, stack, "local", &http, &[(&n1.pods[0], n1), (&n2.pods[0], n2)], false).await;
+    apply_service(&admin, "empty", with_cluster_ips(stack, EMPTY, EMPTY6, json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("empty");
+    apply_service(&admin, "term", with_cluster_ips(stack, TERMINATING, TERMINATING6, json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("term");
+    slices(&admin, stack, "term", &http, &[(&n3.pods[0], n3)], true).await;
+    apply_service(&admin, "itp", with_cluster_ips(stack, ITP, ITP6, json!({"internalTrafficPolicy": "Local",
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("itp");
+    slices(&admin, stack, "itp", &http, &[(&n2.pods[0], n2)], false).await;
+    if stack == Stack::Dual {
+        // An IPv6-only Service in the dual-stack cluster: one IPv6 slice, no IPv4 ClusterIP.
+        let svc = apply_service(&admin, "web6only", json!({"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"],
+            "clusterIP": V6_ONLY, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("web6only");
+        assert_eq!(svc.spec.and_then(|s| s.cluster_ips), Some(vec![V6_ONLY.to_owned()]));
+        let eps: Vec<Ep> = all.iter().map(|(p, n)| Ep::ready(p.ip6, &n.name)).collect();
+        apply_slice_family(&admin, "web6only", Family::V6, &http, &eps).await.expect("web6only slice");
+        // The apiserver took the dual-stack Services as meant.
+        let web = kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(admin.clone(), "default").get("web").await.expect("web");
+        let spec = web.spec.expect("spec");
+        assert_eq!(spec.cluster_ips, Some(vec![WEB.to_owned(), WEB6.to_owned()]));
+        assert_eq!(spec.ip_families, Some(vec!["IPv4".to_owned(), "IPv6".to_owned()]));
+    }
 
-    // kube-proxy ran on node-1 before: its nftables table and iptables chains are still there.
+    // kube-proxy ran on node-1 before: its nftables table and iptables chains are still there
+    // (of both families in a dual-stack cluster).
     Cluster::exec(&n1.netns, &["nft", "add table ip kube-proxy; add chain ip kube-proxy services"]).expect("kube-proxy nft leftovers");
     Cluster::exec(&n1.netns, &["sh", "-c", "iptables-legacy -t nat -N KUBE-SERVICES && iptables-legacy -t nat -N KUBE-SVC-X && \
         iptables-legacy -t nat -A KUBE-SERVICES -j KUBE-SVC-X && iptables-legacy -t nat -A PREROUTING -j KUBE-SERVICES && \
         iptables-legacy -t filter -N KUBE-FIREWALL"]).expect("kube-proxy iptables leftovers");
-    let agent_args = ["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1", "--takeover-kube-proxy"];
+    if stack == Stack::Dual {
+        Cluster::exec(&n1.netns, &["nft", "add table ip6 kube-proxy; add chain ip6 kube-proxy services"]).expect("kube-proxy nft ip6 leftovers");
+        Cluster::exec(&n1.netns, &["sh", "-c", "ip6tables-legacy -t nat -N KUBE-SERVICES && ip6tables-legacy -t nat -N KUBE-SVC-X && \
+            ip6tables-legacy -t nat -A KUBE-SERVICES -j KUBE-SVC-X && ip6tables-legacy -t nat -A PREROUTING -j KUBE-SERVICES && \
+            ip6tables-legacy -t filter -N KUBE-KUBELET-CANARY"]).expect("kube-proxy ip6tables leftovers");
+    }
+    let agent_args = ["--mode", mode, "--cluster-cidr", stack.cluster_cidr(), "--min-sync-period", "0.1", "--takeover-kube-proxy"];
     env.start_agents(&agent_args).await.expect("agents");
     for node in &nodes {
-        let o = until_answered(&node.pods[1].netns, addr(WEB, 80), false, Duration::from_secs(60)).await;
-        assert!(answered_all(&o), "{mode}: {} never reached web: {o:?}\nagent log:\n{}", node.name,
-            env.agents.iter().find(|a| a.node == node.name).map(Agent::log_text).unwrap_or_default());
+        for &f in families {
+            let target = addr(addrs(f).web, 80);
+            let start = Instant::now();
+            loop {
+                let o = until_answered(&node.pods[1].netns, target, false, Duration::from_secs(2)).await;
+                if answered_all(&o) {
+                    break;
+                }
+                let agent = env.agents.iter_mut().find(|a| a.node == node.name).expect("agent");
+                let exited = agent.exit_status();
+                assert!(exited.is_none() && start.elapsed() < Duration::from_secs(60),
+                    "{run}: {} never reached web over {f:?} ({target}): {o:?}; agent exited: {exited:?}\nagent log:\n{}",
+                    node.name, agent.log_text());
+            }
+        }
     }
     let client = &n1.pods[1].netns;
     // --takeover-kube-proxy removed kube-proxy's leftovers once ours served, and kept kubelet's chain.
@@ -122,75 +290,122 @@ async fn scenario(mode: &str) {
     for _ in 0..50 {
         let nft = Cluster::exec(&n1.netns, &["nft", "list", "tables"]).unwrap_or_default();
         let ipt = Cluster::exec(&n1.netns, &["iptables-legacy-save"]).unwrap_or_default();
-        if !nft.contains("kube-proxy") && !ipt.contains("KUBE-SERVICES") && !ipt.contains("KUBE-SVC-X") {
-            assert!(ipt.contains(":KUBE-FIREWALL"), "{mode}: kubelet's chain must stay");
+        let ip6t = if stack == Stack::Dual { Cluster::exec(&n1.netns, &["ip6tables-legacy-save"]).unwrap_or_default() } else { String::new() };
+        if !nft.contains("kube-proxy") && [&ipt, &ip6t].iter().all(|t| !t.contains("KUBE-SERVICES") && !t.contains("KUBE-SVC-X")) {
+            assert!(ipt.contains(":KUBE-FIREWALL"), "{run}: kubelet's chain must stay");
+            if stack == Stack::Dual {
+                assert!(ip6t.contains(":KUBE-KUBELET-CANARY"), "{run}: kubelet's IPv6 chain must stay");
+            }
             taken = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(taken, "{mode}: kube-proxy leftovers not removed");
+    assert!(taken, "{run}: kube-proxy leftovers not removed");
 
-    // ClusterIP TCP: every attempt answered, spread over the 3 endpoints. With 90 uniform attempts
-    // each endpoint expects 30 (sd 4.5); [15, 45] is a ±3.3 sd tolerance.
-    let o = probe(client, addr(WEB, 80), false, 90, 1000).expect("probe");
-    let t = tally(&o);
-    assert!(answered_all(&o), "{mode}: {t:?}");
-    assert_eq!(t.len(), 3, "{mode}: {t:?}");
-    assert!(t.values().all(|n| (15..=45).contains(n)), "{mode}: spread out of tolerance: {t:?}");
-    println!("{mode}: ClusterIP spread over 90 connections: {t:?}");
+    if stack == Stack::Dual {
+        // Each family's rules are in that family's table, or ip6tables.
+        let (v4, v6) = (family_state(&n1.netns, mode, Family::V4), family_state(&n1.netns, mode, Family::V6));
+        assert!(v6.contains(WEB6) && v6.contains(STICKY6) && v6.contains(V6_ONLY), "{run}: IPv6 rules missing:\n{v6}");
+        assert!(v4.contains(WEB) && !v4.contains("fd00:10:96::") && !v4.contains("web6only"), "{run}: IPv4 rules:\n{v4}");
+        assert!(!v6.contains("10.96.0."), "{run}: IPv4 addresses in the IPv6 rules:\n{v6}");
+        if mode == "nftables" {
+            assert!(v6.contains("table ip6 switchyard"), "{run}: {v6}");
+        } else {
+            assert!(v6.contains("SWY-"), "{run}: no SWY-* chains in ip6tables:\n{v6}");
+        }
+    }
 
-    // ClusterIP UDP.
-    let o = probe(client, addr(WEB, 53), true, 30, 1000).expect("probe");
-    assert!(answered_all(&o), "{mode}: udp {:?}", tally(&o));
-    assert!(tally(&o).len() >= 2, "{mode}: udp not spread {:?}", tally(&o));
+    for &f in families {
+        let (a, run) = (addrs(f), format!("{run} {f:?}"));
+        // ClusterIP TCP: every attempt answered, spread over the 3 endpoints. With 90 uniform
+        // attempts each endpoint expects 30 (sd 4.5); [15, 45] is a ±3.3 sd tolerance.
+        let o = probe(client, addr(a.web, 80), false, 90, 1000).expect("probe");
+        let t = tally(&o);
+        assert!(answered_all(&o), "{run}: {t:?}");
+        assert_eq!(t.len(), 3, "{run}: {t:?}");
+        assert!(t.values().all(|n| (15..=45).contains(n)), "{run}: spread out of tolerance: {t:?}");
+        println!("{run}: ClusterIP spread over 90 connections: {t:?}");
 
-    // Session affinity: one client stays on one endpoint.
-    let o = probe(client, addr(STICKY, 80), false, 20, 1000).expect("probe");
-    assert!(answered_all(&o) && tally(&o).len() == 1, "{mode}: affinity {:?}", tally(&o));
+        // ClusterIP UDP.
+        let o = probe(client, addr(a.web, 53), true, 30, 1000).expect("probe");
+        assert!(answered_all(&o), "{run}: udp {:?}", tally(&o));
+        assert!(tally(&o).len() >= 2, "{run}: udp not spread {:?}", tally(&o));
 
-    // NodePort from outside the cluster (the fabric), masqueraded to the remote endpoint.
-    let fabric = env.cluster.fabric.clone();
-    let o = probe(&fabric, addr(&n1.ip.to_string(), 30080), false, 10, 1000).expect("probe");
-    assert!(answered_all(&o), "{mode}: nodeport {o:?}");
-    assert!(o.iter().all(|x| matches!(x, Outcome::Answered { server, peer } if server == &n2.pods[0].name && peer.starts_with(&format!("{}:", n1.ip)))), "{mode}: nodeport {o:?}");
-    // externalIP.
-    let o = probe(&fabric, addr(EXTERNAL_IP, 80), false, 5, 1000).expect("probe");
-    assert!(answered_all(&o), "{mode}: externalIP {o:?}");
+        // Session affinity: one client stays on one endpoint.
+        let o = probe(client, addr(a.sticky, 80), false, 20, 1000).expect("probe");
+        assert!(answered_all(&o) && tally(&o).len() == 1, "{run}: affinity {:?}", tally(&o));
 
-    // externalTrafficPolicy=Local: node-1 answers with its local endpoint and sees the real client
-    // address; node-3 has no local endpoint and drops.
-    let o = probe(&fabric, addr(&n1.ip.to_string(), 30081), false, 10, 1000).expect("probe");
-    assert!(o.iter().all(|x| matches!(x, Outcome::Answered { server, peer } if server == &n1.pods[0].name && peer.starts_with("10.250.0.1:"))), "{mode}: ETP=Local {o:?}");
-    let o = probe(&fabric, addr(&n3.ip.to_string(), 30081), false, 3, 500).expect("probe");
-    assert!(o.iter().all(|x| *x == Outcome::Timeout), "{mode}: ETP=Local without local endpoints must drop: {o:?}");
+        // NodePort from outside the cluster (the fabric), masqueraded to the remote endpoint.
+        let fabric = env.cluster.fabric.clone();
+        let o = probe(&fabric, SocketAddr::new(n1.ip_of(f), 30080), false, 10, 1000).expect("probe");
+        assert!(answered_all(&o), "{run}: nodeport {o:?}");
+        assert!(o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str()) && x.peer_ip() == Some(n1.ip_of(f))), "{run}: nodeport {o:?}");
+        // externalIP.
+        let o = probe(&fabric, addr(a.external_ip, 80), false, 5, 1000).expect("probe");
+        assert!(answered_all(&o), "{run}: externalIP {o:?}");
 
-    // LoadBalancer IP: the fabric is inside loadBalancerSourceRanges; a pod is not.
-    let o = probe(&fabric, addr(LB_IP, 80), false, 5, 1000).expect("probe");
-    assert!(o.iter().all(|x| matches!(x, Outcome::Answered { peer, .. } if peer.starts_with("10.250.0.1:"))), "{mode}: LB {o:?}");
-    let o = probe(&n2.pods[1].netns, addr(LB_IP, 80), false, 3, 500).expect("probe");
-    assert!(o.iter().all(|x| *x == Outcome::Timeout), "{mode}: LB source range must drop a pod: {o:?}");
+        // externalTrafficPolicy=Local: node-1 answers with its local endpoint and sees the real
+        // client address; node-3 has no local endpoint and drops.
+        let o = probe(&fabric, SocketAddr::new(n1.ip_of(f), 30081), false, 10, 1000).expect("probe");
+        assert!(o.iter().all(|x| x.server() == Some(n1.pods[0].name.as_str()) && x.peer_ip() == Some(netns::fabric_ip(f))), "{run}: ETP=Local {o:?}");
+        let o = probe(&fabric, SocketAddr::new(n3.ip_of(f), 30081), false, 3, 500).expect("probe");
+        assert!(o.iter().all(|x| *x == Outcome::Timeout), "{run}: ETP=Local without local endpoints must drop: {o:?}");
 
-    // No endpoints: refused at once, not a timeout.
-    let started = std::time::Instant::now();
-    let o = probe(client, addr(EMPTY, 80), false, 3, 2000).expect("probe");
-    assert!(o.iter().all(|x| *x == Outcome::Refused), "{mode}: no endpoints {o:?}");
-    assert!(started.elapsed() < Duration::from_secs(2), "{mode}: refusal took {:?}", started.elapsed());
+        // LoadBalancer IP: the fabric is inside loadBalancerSourceRanges; a pod is not.
+        let o = probe(&fabric, addr(a.lb_ip, 80), false, 5, 1000).expect("probe");
+        assert!(!o.is_empty() && o.iter().all(|x| x.peer_ip() == Some(netns::fabric_ip(f))), "{run}: LB {o:?}");
+        let o = probe(&n2.pods[1].netns, addr(a.lb_ip, 80), false, 3, 500).expect("probe");
+        assert!(o.iter().all(|x| *x == Outcome::Timeout), "{run}: LB source range must drop a pod: {o:?}");
 
-    // Terminating-endpoint fallback.
-    let o = probe(client, addr(TERMINATING, 80), false, 5, 1000).expect("probe");
-    assert!(o.iter().all(|x| x.server() == Some(n3.pods[0].name.as_str())), "{mode}: fallback {o:?}");
+        // No endpoints: refused at once, not a timeout. Over IPv6 an ICMPv6 port unreachable
+        // answering a pod's first SYN arrives while connect() still holds the socket (veth delivers
+        // it in the same softirq) and only sets a soft error (TcpExtLockDroppedIcmps); the answer
+        // to the SYN retransmitted after the 1 s initial RTO refuses. So IPv6 allows one
+        // retransmission per attempt (a TCP reset would refuse at once, as ICMP does over IPv4).
+        let started = std::time::Instant::now();
+        let o = probe(client, addr(a.empty, 80), false, 3, 2000).expect("probe");
+        assert!(o.iter().all(|x| *x == Outcome::Refused), "{run}: no endpoints {o:?}");
+        let limit = if f == Family::V4 { Duration::from_secs(2) } else { Duration::from_millis(4500) };
+        assert!(started.elapsed() < limit, "{run}: refusal took {:?}", started.elapsed());
 
-    // internalTrafficPolicy=Local: only node-2 has the endpoint.
-    let o = probe(&n2.pods[1].netns, addr(ITP, 80), false, 5, 1000).expect("probe");
-    assert!(o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str())), "{mode}: ITP local {o:?}");
-    let o = probe(client, addr(ITP, 80), false, 3, 500).expect("probe");
-    assert!(o.iter().all(|x| *x == Outcome::Timeout), "{mode}: ITP=Local without local endpoint must drop: {o:?}");
+        // Terminating-endpoint fallback.
+        let o = probe(client, addr(a.terminating, 80), false, 5, 1000).expect("probe");
+        assert!(o.iter().all(|x| x.server() == Some(n3.pods[0].name.as_str())), "{run}: fallback {o:?}");
+
+        // internalTrafficPolicy=Local: only node-2 has the endpoint.
+        let o = probe(&n2.pods[1].netns, addr(a.itp, 80), false, 5, 1000).expect("probe");
+        assert!(o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str())), "{run}: ITP local {o:?}");
+        let o = probe(client, addr(a.itp, 80), false, 3, 500).expect("probe");
+        assert!(o.iter().all(|x| *x == Outcome::Timeout), "{run}: ITP=Local without local endpoint must drop: {o:?}");
+
+        // The health-check node port of the ETP=Local LoadBalancer, on the node's address of this
+        // family: 200 where a local endpoint exists.
+        let (code, body) = http_get(&fabric, SocketAddr::new(n1.ip_of(f), 30999), "/").expect("hc");
+        assert_eq!(code, 200, "{run}: {body}");
+        assert!(body.contains("\"localEndpoints\":1") && body.to_lowercase().contains("x-load-balancing-endpoint-weight: 1"), "{run}: {body}");
+        let (code, _) = http_get(&fabric, SocketAddr::new(n3.ip_of(f), 30999), "/").expect("hc");
+        assert_eq!(code, 503, "{run}: no local endpoint on node-3");
+
+        // Hairpin: an endpoint reaching its own Service, and itself through it.
+        let o = probe(&n1.pods[0].netns, addr(a.web, 80), false, 30, 1000).expect("probe");
+        let t = tally(&o);
+        assert!(answered_all(&o) && t.contains_key(&n1.pods[0].name), "{run}: hairpin {t:?}");
+    }
+
+    if stack == Stack::Dual {
+        // The IPv6-only Service: spread over its 3 IPv6 endpoints.
+        let o = probe(client, addr(V6_ONLY, 80), false, 90, 1000).expect("probe");
+        let t = tally(&o);
+        assert!(answered_all(&o) && t.len() == 3 && t.values().all(|n| (15..=45).contains(n)), "{run}: IPv6-only Service {t:?}");
+        // A client inside the IPv6 cluster CIDR is not masqueraded.
+        assert!(o.iter().all(|x| x.peer_ip() == Some(n1.pods[1].ip6.into())), "{run}: IPv6-only Service source: {o:?}");
+    }
 
     // Health: /healthz and /livez with kube-proxy's semantics, /metrics with kube-proxy's names.
     let (code, body) = http_get(&n1.netns, addr("127.0.0.1", 10256), "/healthz").expect("healthz");
-    assert_eq!(code, 200, "{mode}: {body}");
-    assert!(body.contains("\"healthy\":true") && body.contains("\"nodeEligible\":true") && body.contains("application/json"), "{mode}: {body}");
+    assert_eq!(code, 200, "{run}: {body}");
+    assert!(body.contains("\"healthy\":true") && body.contains("\"nodeEligible\":true") && body.contains("application/json"), "{run}: {body}");
     let (code, _) = http_get(&n1.netns, addr("127.0.0.1", 10256), "/livez").expect("livez");
     assert_eq!(code, 200);
     let (code, metrics) = http_get(&n1.netns, addr("127.0.0.1", 10249), "/metrics").expect("metrics");
@@ -198,67 +413,68 @@ async fn scenario(mode: &str) {
     for name in ["kubeproxy_sync_proxy_rules_duration_seconds_bucket", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                  "kubeproxy_sync_proxy_rules_service_changes_pending", "kubeproxy_sync_proxy_rules_no_local_endpoints",
                  "kubeproxy_proxy_healthz_total", "switchyard_programmed_services"] {
-        assert!(metrics.contains(name), "{mode}: /metrics lacks {name}");
+        assert!(metrics.contains(name), "{run}: /metrics lacks {name}");
     }
-    // The health-check node port of the ETP=Local LoadBalancer: 200 where a local endpoint exists.
-    let (code, body) = http_get(&fabric, addr(&n1.ip.to_string(), 30999), "/").expect("hc");
-    assert_eq!(code, 200, "{mode}: {body}");
-    assert!(body.contains("\"localEndpoints\":1") && body.to_lowercase().contains("x-load-balancing-endpoint-weight: 1"), "{mode}: {body}");
-    let (code, _) = http_get(&fabric, addr(&n3.ip.to_string(), 30999), "/").expect("hc");
-    assert_eq!(code, 503, "{mode}: no local endpoint on node-3");
 
     // --render prints the rules for the cluster state without touching the kernel.
     let bin = binaries::workspace_bin("switchyard-agent").expect("agent bin");
-    let before = rules_only(&kernel_state(&n2.netns, mode));
+    let before = rules_only(&kernel_state(&n2.netns, mode, stack));
     let rendered = Cluster::exec(&n2.netns, &[&bin.display().to_string(), "--render", "--node-name", "node-2", "--kubeconfig",
         &env.agents.iter().find(|a| a.node == n2.name).expect("agent").kubeconfig.display().to_string(), "--mode", mode,
-        "--cluster-cidr", "10.244.0.0/16"]).expect("render");
-    assert!(rendered.contains(WEB) && rendered.contains(if mode == "nftables" { "table ip switchyard" } else { "*nat" }), "{mode}: {rendered}");
-    assert_eq!(rules_only(&kernel_state(&n2.netns, mode)), before, "{mode}: --render changed the kernel");
-
-    // Hairpin: an endpoint reaching its own Service, and itself through it.
-    let o = probe(&n1.pods[0].netns, addr(WEB, 80), false, 30, 1000).expect("probe");
-    let t = tally(&o);
-    assert!(answered_all(&o) && t.contains_key(&n1.pods[0].name), "{mode}: hairpin {t:?}");
+        "--cluster-cidr", stack.cluster_cidr()]).expect("render");
+    assert!(rendered.contains(WEB) && rendered.contains(if mode == "nftables" { "table ip switchyard" } else { "*nat" }), "{run}: {rendered}");
+    if stack == Stack::Dual {
+        assert!(rendered.contains(WEB6) && rendered.contains(V6_ONLY), "{run}: --render lacks the IPv6 rules: {rendered}");
+        assert!(mode != "nftables" || rendered.contains("table ip6 switchyard"), "{run}: {rendered}");
+    }
+    assert_eq!(rules_only(&kernel_state(&n2.netns, mode, stack)), before, "{run}: --render changed the kernel");
 
     // Removing an endpoint stops traffic to it.
-    apply_slice(&admin, "web", &[("http", 8080, "TCP"), ("dns", 5353, "UDP")], &eps_all[..2]).await.expect("shrink");
-    let mut clean = false;
-    for _ in 0..50 {
-        let o = probe(client, addr(WEB, 80), false, 30, 1000).expect("probe");
-        if answered_all(&o) && !tally(&o).contains_key(&n3.pods[0].name) {
-            clean = true;
-            break;
+    slices(&admin, stack, "web", &web_ports, &all[..2], false).await;
+    for &f in families {
+        let mut clean = false;
+        for _ in 0..50 {
+            let o = probe(client, addr(addrs(f).web, 80), false, 30, 1000).expect("probe");
+            if answered_all(&o) && !tally(&o).contains_key(&n3.pods[0].name) {
+                clean = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(clean, "{run} {f:?}: removed endpoint still receives traffic");
     }
-    assert!(clean, "{mode}: removed endpoint still receives traffic");
 
     // Deleting a Service removes its rules from the kernel.
     delete_service(&admin, "sticky").await.expect("delete sticky");
     let mut gone = false;
     for _ in 0..50 {
-        let state = kernel_state(&n1.netns, mode);
-        if !state.contains(STICKY) && !state.contains("default/sticky") {
+        let state = kernel_state(&n1.netns, mode, stack);
+        if families.iter().all(|&f| !state.contains(addrs(f).sticky)) && !state.contains("default/sticky") {
             gone = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(gone, "{mode}: deleted service still in the kernel:\n{}", kernel_state(&n1.netns, mode));
+    assert!(gone, "{run}: deleted service still in the kernel:\n{}", kernel_state(&n1.netns, mode, stack));
 
     // The agent stops: the data path keeps working; it restarts: still working, no flush.
     let idx = env.agents.iter().position(|a| a.node == n1.name).expect("agent");
     drop(env.agents.remove(idx));
-    let o = probe(client, addr(WEB, 80), false, 20, 1000).expect("probe");
-    assert!(answered_all(&o), "{mode}: traffic while the agent is down: {o:?}");
+    for &f in families {
+        let o = probe(client, addr(addrs(f).web, 80), false, 20, 1000).expect("probe");
+        assert!(answered_all(&o), "{run} {f:?}: traffic while the agent is down: {o:?}");
+    }
     let token = switchyard_e2e::agent::node_token(&env.cp, &n1.name).await.expect("token");
     env.agents.push(Agent::start(&env.cp, n1, &token, &agent_args).expect("restart agent"));
-    let o = probe(client, addr(WEB, 80), false, 40, 1000).expect("probe");
-    assert!(answered_all(&o), "{mode}: traffic across the agent restart: {o:?}");
+    for &f in families {
+        let o = probe(client, addr(addrs(f).web, 80), false, 40, 1000).expect("probe");
+        assert!(answered_all(&o), "{run} {f:?}: traffic across the agent restart: {o:?}");
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let o = probe(client, addr(WEB, 80), false, 20, 1000).expect("probe");
-    assert!(answered_all(&o), "{mode}: traffic after the agent restart: {o:?}");
+    for &f in families {
+        let o = probe(client, addr(addrs(f).web, 80), false, 20, 1000).expect("probe");
+        assert!(answered_all(&o), "{run} {f:?}: traffic after the agent restart: {o:?}");
+    }
 
     // A NodeProxy deleted under a running agent is registered again with its status.
     let proxies: kube::Api<switchyard_crds::v1alpha1::NodeProxy> = kube::Api::all(admin.clone());
@@ -271,23 +487,33 @@ async fn scenario(mode: &str) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(back, "{mode}: the agent did not register its deleted NodeProxy again");
+    assert!(back, "{run}: the agent did not register its deleted NodeProxy again");
 
     // --cleanup leaves nothing of ours in the node.
     let idx = env.agents.iter().position(|a| a.node == n3.name).expect("agent");
     drop(env.agents.remove(idx));
     Cluster::exec(&n3.netns, &[&bin.display().to_string(), "--cleanup"]).expect("cleanup");
-    let state = kernel_state(&n3.netns, mode);
-    assert!(!state.contains("switchyard") && !state.contains("SWY"), "{mode}: leftovers after --cleanup:\n{state}");
+    let state = kernel_state(&n3.netns, mode, stack);
+    assert!(!state.contains("switchyard") && !state.contains("SWY"), "{run}: leftovers after --cleanup:\n{state}");
     drop(servers);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nftables_backend_serves_every_service_feature() {
-    scenario("nftables").await;
+    scenario("nftables", Stack::V4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iptables_backend_serves_every_service_feature() {
-    scenario("iptables").await;
+    scenario("iptables", Stack::V4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nftables_backend_serves_every_service_feature_over_ipv6() {
+    scenario("nftables", Stack::Dual).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iptables_backend_serves_every_service_feature_over_ipv6() {
+    scenario("iptables", Stack::Dual).await;
 }
