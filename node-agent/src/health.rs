@@ -208,8 +208,18 @@ impl ServiceHealthServers {
             self.running.insert(
                 port,
                 tokio::spawn(async move {
-                    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], port));
-                    if let Err(e) = serve(addr, app).await {
+                    // `[::]` serves both families (v4-mapped); a node without IPv6 gets `0.0.0.0`.
+                    let any6 = std::net::SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+                    let any4 = std::net::SocketAddr::from(([0, 0, 0, 0], port));
+                    let listener = match tokio::net::TcpListener::bind(any6).await {
+                        Ok(l) => Ok(l),
+                        Err(_) => tokio::net::TcpListener::bind(any4).await,
+                    };
+                    let served = match listener {
+                        Ok(listener) => axum::serve(listener, app).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = served {
                         tracing::warn!(port, error = %e, "FailedToStartServiceHealthcheck");
                     }
                 }),

@@ -332,7 +332,12 @@ fn render_service(
     let proto = name.protocol.as_str();
     let cat = categorize(eps, &settings.node);
     let family = sp.family();
-    let Spelling { host, reject, mask } = spelling(family);
+    let Spelling { host, mut reject, mask } = spelling(family);
+    if family == IpFamily::V6 && name.protocol == crate::model::Protocol::Tcp {
+        // See the nftables render: an ICMPv6 reject of a SYN can be dropped at the connecting
+        // socket, delaying the refusal by a SYN retransmission; a reset is seen at once.
+        reject = "REJECT --reject-with tcp-reset";
+    }
 
     // kube-proxy's UsesClusterEndpoints / UsesLocalEndpoints.
     let external = sp.externally_accessible();

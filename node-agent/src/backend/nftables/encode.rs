@@ -470,6 +470,7 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
             let code = if family == IpFamily::V4 { 3 } else { 4 };
             vec![("reject", Nla::default().u32(1, 0).put(2, &[code]))]
         }
+        Expr::RejectTcpReset => vec![("reject", Nla::default().u32(1, 1).put(2, &[0]))],
         Expr::UpdateSaddr(s) => {
             vec![payload(1, 1, l.saddr, l.len), ("dynset", Nla::default().str(1, s).u32(3, 1).u32(4, 1))]
         }

@@ -109,6 +109,8 @@ pub enum Expr {
     Masquerade,
     /// `reject` (ICMP port unreachable).
     Reject,
+    /// `reject with tcp reset` (after an `L4Proto(Tcp)` match).
+    RejectTcpReset,
     /// `update @SET { ip saddr }`.
     UpdateSaddr(String),
     /// `ip daddr . meta l4proto . th dport vmap @MAP`.
@@ -148,6 +150,7 @@ impl Expr {
             Expr::Dnat(a, p) => format!("dnat to {}", addr_port(a, *p)),
             Expr::Masquerade => "masquerade fully-random".into(),
             Expr::Reject => "reject".into(),
+            Expr::RejectTcpReset => "reject with tcp reset".into(),
             Expr::UpdateSaddr(s) => format!("update @{s} {{ {ip} saddr }}"),
             Expr::VmapDaddrProtoPort(m) => format!("{ip} daddr . meta l4proto . th dport vmap @{m}"),
             Expr::VmapProtoPort(m) => format!("meta l4proto . th dport vmap @{m}"),

@@ -111,11 +111,18 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         chain("firewall-check", vec![Rule::new(vec![Expr::VmapDaddrProtoPort(FIREWALL_IPS.into())])]),
         chain("service-endpoints-check", vec![Rule::new(vec![Expr::VmapDaddrProtoPort(NO_ENDPOINT_SERVICES.into())])]),
         chain("nodeport-endpoints-check", vec![Rule::new(with(nodeport_match.clone(), Expr::VmapProtoPort(NO_ENDPOINT_NODEPORTS.into())))]),
-        chain(
-            "cluster-ips-check",
-            vec![Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject]).comment("Reject traffic to invalid ports of ClusterIPs")],
-        ),
-        chain("reject-chain", vec![Rule::new(vec![Expr::Reject]).comment("helper for @no-endpoint-services / @no-endpoint-nodeports")]),
+        chain("cluster-ips-check", {
+            let mut rules = tcp_reset(family, vec![Expr::DaddrInSet(CLUSTER_IPS.into())]);
+            rules.push(
+                Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject]).comment("Reject traffic to invalid ports of ClusterIPs"),
+            );
+            rules
+        }),
+        chain("reject-chain", {
+            let mut rules = tcp_reset(family, vec![]);
+            rules.push(Rule::new(vec![Expr::Reject]).comment("helper for @no-endpoint-services / @no-endpoint-nodeports"));
+            rules
+        }),
         chain("services", {
             // One masquerade rule for every ClusterIP (as kube-proxy 1.36 does) instead of one per
             // service chain: a third fewer rules for the kernel to load and validate.
@@ -143,6 +150,18 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         ),
     ];
     Ruleset { family, sets: sets_defs, elements, chains }
+}
+
+/// IPv6 refuses TCP with a reset: an ICMPv6 port-unreachable that answers a SYN while the
+/// connecting socket is locked is dropped by the kernel (`TcpExtLockDroppedIcmps`), so the client
+/// would only see the refusal after its first SYN retransmission, a second later. IPv4 keeps
+/// kube-proxy's ICMP reject.
+fn tcp_reset(family: IpFamily, mut matches: Vec<Expr>) -> Vec<Rule> {
+    if family == IpFamily::V4 {
+        return Vec::new();
+    }
+    matches.extend([Expr::L4Proto(crate::model::Protocol::Tcp), Expr::RejectTcpReset]);
+    vec![Rule::new(matches)]
 }
 
 /// DNAT cascade over `eps`: endpoint j of n is taken with probability 1/(n-j) given the earlier
