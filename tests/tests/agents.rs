@@ -81,8 +81,19 @@ async fn agents_register_capabilities_and_are_confined_to_their_node() {
     let own = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "status": {"agentVersion": "probe"}});
     as_agent.patch_status("node-1", &apply, &Patch::Apply(&own)).await.expect("agent writes its own status");
 
-    // Another node's status: denied by the admission policy, with its message.
-    let msg = forbidden(as_agent.patch_status("node-2", &apply, &Patch::Apply(&own)).await);
+    // Another node's status: denied by the admission policy, with its message. The apiserver loads
+    // admission policies asynchronously after they are created, so wait until it enforces it.
+    let msg = eventually(Duration::from_secs(30), "the admission policy to be enforced", || {
+        let (as_agent, apply, own) = (as_agent.clone(), apply.clone(), own.clone());
+        async move {
+            match as_agent.patch_status("node-2", &apply, &Patch::Apply(&own)).await {
+                Ok(_) => None,
+                other => Some(forbidden(other)),
+            }
+        }
+    })
+    .await
+    .expect("policy enforced");
     assert!(msg.contains("switchyard-agent on node node-1 may only write NodeProxy node-1, not node-2"), "{msg}");
 
     // Its own spec: denied (RBAC grants no update or patch of nodeproxies, only of their status).

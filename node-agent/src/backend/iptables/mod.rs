@@ -144,6 +144,8 @@ struct FamilyTables {
     services: BTreeSet<ServiceName>,
     /// Set after a failure: the next sync is full whatever the caller asks.
     needs_full: bool,
+    /// Whether an IPv6 failure without IPv6 Services was logged.
+    warned: bool,
 }
 
 impl IptablesBackend {
@@ -161,6 +163,7 @@ impl IptablesBackend {
             nat_chains: BTreeSet::new(),
             services: BTreeSet::new(),
             needs_full: true,
+            warned: false,
         };
         Self { variant, settings, families: IpFamily::ALL.map(tables), bypassed: false }
     }
@@ -296,8 +299,14 @@ impl FamilyTables {
 
     fn cleanup(&mut self) -> Result<(), BackendError> {
         self.needs_full = true;
-        let filter = own_chains(&self.ipt.save(Table::Filter)?);
-        let nat = own_chains(&self.ipt.save(Table::Nat)?);
+        let (filter, nat) = match (self.ipt.save(Table::Filter), self.ipt.save(Table::Nat)) {
+            (Ok(filter), Ok(nat)) => (own_chains(&filter), own_chains(&nat)),
+            // Without the IPv6 tools there is nothing of ours in ip6tables to remove.
+            (Err(IptablesError::Spawn { .. }), _) | (_, Err(IptablesError::Spawn { .. })) if self.ipt.family() == IpFamily::V6 => {
+                return Ok(());
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(e.into()),
+        };
         // A jump rule can only exist while its target chain does (and `-C` fails without it).
         for rule in &JUMP_RULES {
             let chains = if rule.table == Table::Filter { &filter } else { &nat };
@@ -336,6 +345,9 @@ impl FamilyTables {
 
     fn verify(&self) -> Result<Vec<String>, BackendError> {
         let mut drift = Vec::new();
+        if self.filter_chains.is_empty() && self.nat_chains.is_empty() && self.ipt.family() == IpFamily::V6 {
+            return Ok(drift); // nothing programmed in ip6tables (e.g. no IPv6 on this node)
+        }
         let tool = self.ipt.binary("iptables");
         for (table, ours) in [(Table::Filter, &self.filter_chains), (Table::Nat, &self.nat_chains)] {
             let kernel = own_chains(&self.ipt.save(table)?);
@@ -356,8 +368,17 @@ impl Backend for IptablesBackend {
         for i in 0..self.families.len() {
             let tables = &mut self.families[i];
             let family = tables.ipt.family();
-            match tables.sync(&self.settings, self.bypassed, snapshot.get(family), changes, full) {
+            let family_snapshot = snapshot.get(family);
+            match tables.sync(&self.settings, self.bypassed, family_snapshot, changes, full) {
                 Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                // A node without ip6tables (or without IPv6) still serves IPv4 as long as no IPv6
+                // Service needs it; the IPv6 family is retried in full on the next sync.
+                Err(e) if family == IpFamily::V6 && family_snapshot.services.is_empty() => {
+                    if !tables.warned {
+                        tracing::warn!(error = %e, "IPv6 rules could not be programmed; serving IPv4 only until they can");
+                        tables.warned = true;
+                    }
+                }
                 Err(e) => {
                     // The other family may have missed these changes too: both go full next time.
                     for other in &mut self.families {

@@ -47,6 +47,8 @@ struct Table {
     stale_sets: BTreeSet<String>,
     /// Whether a full sync has programmed the table.
     programmed: bool,
+    /// Whether an IPv6 failure without IPv6 Services was logged.
+    warned: bool,
 }
 
 /// The entries of one Service in a map keyed by service port, by range (the key orders by
@@ -90,6 +92,7 @@ impl Table {
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
             programmed: false,
+            warned: false,
         }
     }
 
@@ -384,8 +387,17 @@ impl Backend for NftablesBackend {
         let mut total: Option<SyncStats> = None;
         for i in 0..self.tables.len() {
             let table = &mut self.tables[i];
-            match table.sync(&self.settings, self.bypassed, snapshot.get(table.family), changes, full) {
+            let family_snapshot = snapshot.get(table.family);
+            match table.sync(&self.settings, self.bypassed, family_snapshot, changes, full) {
                 Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                // A node without IPv6 still serves IPv4 as long as no IPv6 Service needs it; the
+                // ip6 table is retried in full on the next sync.
+                Err(e) if table.family == IpFamily::V6 && family_snapshot.services.is_empty() => {
+                    if !table.warned {
+                        tracing::warn!(error = %e, "the ip6 table could not be programmed; serving IPv4 only until it can");
+                        table.warned = true;
+                    }
+                }
                 Err(e) => {
                     // The other table may have missed these changes too: both go full next time.
                     for other in &mut self.tables {
