@@ -62,7 +62,10 @@ type Spread = (String, usize, Vec<(String, usize)>);
 /// The destinations of `VMTEST sctp <backend> spread: <dest>; <dest> (...)`.
 fn sctp_spread(stdout: &str, backend: &str) -> Option<Vec<Spread>> {
     let prefix = format!("VMTEST sctp {backend} spread: ");
-    let line = stdout.lines().find_map(|l| l.strip_prefix(prefix.as_str()))?;
+    // The first line of a test's output follows libtest's `test <name> ... `.
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once(prefix.as_str()).map(|(_, rest)| rest))?;
     let line = line.split(" (").next()?;
     line.split("; ")
         .map(|dest| {
@@ -82,10 +85,10 @@ fn sctp_spread(stdout: &str, backend: &str) -> Option<Vec<Spread>> {
         .collect()
 }
 
-/// The milliseconds after `what` (`ClusterIP Err(ConnectionRefused) in `) on the line starting
-/// with `prefix`.
+/// The milliseconds after `what` (`ClusterIP Err(ConnectionRefused) in `) on the line containing
+/// `prefix`.
 fn millis_after(stdout: &str, prefix: &str, what: &str) -> Option<u64> {
-    let line = stdout.lines().find(|l| l.starts_with(prefix))?;
+    let line = stdout.lines().find(|l| l.contains(prefix))?;
     let rest = line.split_once(what)?.1;
     rest.split_whitespace().next()?.parse().ok()
 }
@@ -196,4 +199,28 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
             "switch {direction}: {line}"
         );
     }
+}
+
+/// The SCTP line parsers on lines as the VM prints them (the first one after libtest's prefix).
+#[test]
+fn sctp_lines_parse() {
+    let out = "test backend::sctp_vm_tests::vm_sctp_nftables ... VMTEST sctp nftables spread: \
+        ClusterIP 10.96.1.10:7000 24 associations -> sctp-ep1=5 sctp-ep2=19; NodePort \
+        10.0.2.1:30132 24 associations -> sctp-ep1=19 sctp-ep2=5 (5 ms per association; 37 rules)\n\
+        VMTEST sctp nftables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in \
+        207 ms, NodePort Err(ConnectionRefused) in 204 ms (4 ICMP received)\n";
+    let answers = |a: usize, b: usize| vec![("sctp-ep1".to_owned(), a), ("sctp-ep2".to_owned(), b)];
+    assert_eq!(
+        sctp_spread(out, "nftables"),
+        Some(vec![
+            ("ClusterIP".to_owned(), 24, answers(5, 19)),
+            ("NodePort".to_owned(), 24, answers(19, 5)),
+        ])
+    );
+    assert_eq!(sctp_spread(out, "iptables"), None);
+    let prefix = "VMTEST sctp nftables no endpoints, IP_RECVERR socket: ";
+    assert_eq!(
+        millis_after(out, prefix, "NodePort Err(ConnectionRefused) in "),
+        Some(204)
+    );
 }
