@@ -4,7 +4,9 @@
 # with a tiny initramfs whose /init runs the agent's IPVS tests (backend::ipvs::tests::vm, a
 # static test binary) against the real kernel, then powers off. The nftables modules are there
 # for the mode-switch test (the agent's switch driver moving the node ipvs -> nftables -> ipvs
-# under a client load). The VM has no NIC: all traffic
+# under a client load), and with `sctp`, `xt_sctp`, `xt_nat` and `xt_statistic` the same binary runs
+# the SCTP tests of the nftables and iptables backends (backend::sctp_vm_tests; the host kernel
+# has no SCTP). The VM has no NIC: all traffic
 # stays between network namespaces inside the guest.
 #
 # Cached under ~/.cache/switchyard/ipvs-vm (override: SWITCHYARD_IPVS_VM_CACHE): the kernel .deb
@@ -22,7 +24,9 @@ KPKG=linux-image-$KVER
 KDEB_VERSION=6.1.192-3
 TIMEOUT=${SWITCHYARD_IPVS_VM_TIMEOUT:-180}
 MEM=${SWITCHYARD_IPVS_VM_MEM:-512}
-FILTER=${SWITCHYARD_IPVS_VM_FILTER:-backend::ipvs::tests::vm::}
+# libtest name filters, comma-separated (a test runs when its name contains any of them; only
+# #[ignore]d tests run): the IPVS tests and the SCTP ones (nftables and iptables backends).
+FILTER=${SWITCHYARD_IPVS_VM_FILTER:-backend::ipvs::tests::vm::,backend::sctp_vm_tests::}
 
 t0=$(date +%s.%N)
 log() { echo "[ipvs-vm] $*" >&2; }
@@ -86,7 +90,7 @@ modules="ip_vs ip_vs_rr ip_vs_wrr ip_vs_lc ip_vs_wlc ip_vs_sh ip_vs_dh ip_vs_sed
   veth dummy ip_tables iptable_filter iptable_nat xt_MASQUERADE xt_mark xt_comment xt_conntrack
   xt_addrtype xt_set ipt_REJECT ip_set ip_set_hash_ip ip_set_hash_ipport ip_set_hash_ipportip
   ip_set_hash_ipportnet ip_set_bitmap_port nf_tables nft_chain_nat nft_nat nft_ct nft_masq nft_reject_ipv4
-  nft_fib_ipv4 nft_numgen"
+  nft_fib_ipv4 nft_numgen sctp xt_sctp xt_nat xt_statistic"
 key=$( (cat "$0"; echo "$KVER $modules") | md5sum | cut -c1-12)
 base=$cache/base-$key.cpio.gz
 if [ ! -s "$base" ]; then
@@ -142,7 +146,12 @@ while read -r ko; do
 done </modules.order
 echo "VMTEST stage=modules-loaded uptime=$(up)"
 filter=$(sed -n 's/.*vmtest.filter=\([^ ]*\).*/\1/p' /proc/cmdline)
-SWITCHYARD_IPVS_VM=1 RUST_BACKTRACE=1 /payload --ignored --test-threads=1 --nocapture "$filter"
+set -f
+IFS=,
+set -- $filter
+unset IFS
+set +f
+SWITCHYARD_IPVS_VM=1 RUST_BACKTRACE=1 /payload --ignored --test-threads=1 --nocapture "$@"
 rc=$?
 echo "VMTEST mem $(grep MemAvailable /proc/meminfo)"
 echo "VMTEST stage=done uptime=$(up)"

@@ -6,13 +6,20 @@
 //! connections kept), the agent's switch driver moving the node ipvs -> nftables -> ipvs under a
 //! client load with zero failed connections and no leftovers, and the 1k/10k sync benchmark).
 //!
+//! The same run carries the SCTP tier (this host kernel has no SCTP): for the nftables and the
+//! iptables (legacy) backends, real SCTP associations from a client namespace to an SCTP ClusterIP
+//! and an SCTP NodePort, each with two server namespaces as endpoints, must reach both servers; for
+//! a service without endpoints the node must answer every INIT with ICMP port unreachable, which a
+//! default SCTP socket ignores (its connect times out: RFC 4960 appendix C) and an `IP_RECVERR`
+//! socket turns into `ECONNREFUSED` well within a second; cleanup must leave no switchyard objects.
+//!
 //! This host kernel has no IPVS, so this test never skips: when the VM cannot be prepared or
 //! booted it fails with one line saying why.
 
 use std::process::Command;
 
 /// Lines of the VM's output that must be present when the run passes.
-const MUST_SHOW: [&str; 20] = [
+const MUST_SHOW: [&str; 28] = [
     "VMTEST probe: kernel 6.1.0-57-amd64 ipvs usable=true",
     "VMTEST ipvsadm -Ln matches testdata/vm.ipvsadm",
     "VMTEST ClusterIP TCP rr:",
@@ -34,7 +41,57 @@ const MUST_SHOW: [&str; 20] = [
     "VMTEST after leaving ipvs: no swy-ipvs0, no SWY-* ipsets, no IPVS services, no SWY-IPVS chains",
     "VMTEST after leaving nftables: no switchyard nft table",
     "VMTEST switch load: ",
+    // SCTP through the nftables and iptables backends (the numbers are checked below).
+    "VMTEST sctp nftables spread: ClusterIP ",
+    "VMTEST sctp nftables no endpoints, default socket: ClusterIP Err(TimedOut) after ",
+    "VMTEST sctp nftables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in ",
+    "VMTEST sctp nftables cleanup: 0 switchyard objects left",
+    "VMTEST sctp iptables spread: ClusterIP ",
+    "VMTEST sctp iptables no endpoints, default socket: ClusterIP Err(TimedOut) after ",
+    "VMTEST sctp iptables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in ",
+    "VMTEST sctp iptables cleanup: 0 switchyard objects left",
 ];
+
+/// The SCTP servers (`sctp_vm_tests::SERVERS`).
+const SCTP_SERVERS: [&str; 2] = ["sctp-ep1", "sctp-ep2"];
+
+/// One destination of an SCTP spread line: `ClusterIP 10.96.1.10:7000 24 associations ->
+/// sctp-ep1=13 sctp-ep2=11`, as (kind, associations, answers per server).
+type Spread = (String, usize, Vec<(String, usize)>);
+
+/// The destinations of `VMTEST sctp <backend> spread: <dest>; <dest> (...)`.
+fn sctp_spread(stdout: &str, backend: &str) -> Option<Vec<Spread>> {
+    let prefix = format!("VMTEST sctp {backend} spread: ");
+    // The first line of a test's output follows libtest's `test <name> ... `.
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once(prefix.as_str()).map(|(_, rest)| rest))?;
+    let line = line.split(" (").next()?;
+    line.split("; ")
+        .map(|dest| {
+            let (head, answers) = dest.split_once(" -> ")?;
+            let mut words = head.split_whitespace();
+            let kind = words.next()?.to_owned();
+            let associations = words.nth(1)?.parse().ok()?;
+            let answers = answers
+                .split_whitespace()
+                .map(|a| {
+                    let (server, n) = a.split_once('=')?;
+                    Some((server.to_owned(), n.parse().ok()?))
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Some((kind, associations, answers))
+        })
+        .collect()
+}
+
+/// The milliseconds after `what` (`ClusterIP Err(ConnectionRefused) in `) on the line containing
+/// `prefix`.
+fn millis_after(stdout: &str, prefix: &str, what: &str) -> Option<u64> {
+    let line = stdout.lines().find(|l| l.contains(prefix))?;
+    let rest = line.split_once(what)?.1;
+    rest.split_whitespace().next()?.parse().ok()
+}
 
 /// The switch test's summary: `VMTEST switch load: N connections (...) over S s, F failed`.
 fn switch_load(stdout: &str) -> Option<(usize, usize)> {
@@ -90,6 +147,48 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
         matches!(load, Some((attempts, 0)) if attempts > 100),
         "switch under load: (connections, failed) = {load:?}"
     );
+    // SCTP: every association answered, by both servers, through the ClusterIP and the NodePort;
+    // a service without endpoints refused within a second for an IP_RECVERR socket.
+    for backend in ["nftables", "iptables"] {
+        let spread = sctp_spread(&stdout, backend);
+        let kinds: Vec<&str> = spread
+            .iter()
+            .flatten()
+            .map(|(kind, _, _)| kind.as_str())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["ClusterIP", "NodePort"],
+            "sctp {backend} spread: {spread:?}"
+        );
+        for (kind, associations, answers) in spread.iter().flatten() {
+            let servers: Vec<&str> = answers.iter().map(|(s, _)| s.as_str()).collect();
+            assert_eq!(servers, SCTP_SERVERS, "sctp {backend} {kind}: {answers:?}");
+            assert!(
+                answers.iter().all(|(_, n)| *n > 0),
+                "sctp {backend} {kind}: both endpoints answer: {answers:?}"
+            );
+            assert_eq!(
+                answers.iter().map(|(_, n)| n).sum::<usize>(),
+                *associations,
+                "sctp {backend} {kind}: every association answered: {answers:?}"
+            );
+        }
+        let prefix = format!("VMTEST sctp {backend} no endpoints, IP_RECVERR socket: ");
+        for kind in ["ClusterIP", "NodePort"] {
+            let ms = millis_after(&stdout, &prefix, &format!("{kind} Err(ConnectionRefused) in "));
+            assert!(
+                matches!(ms, Some(ms) if ms < 1000),
+                "sctp {backend} no-endpoint {kind} refused in {ms:?} ms"
+            );
+        }
+        let prefix = format!("VMTEST sctp {backend} no endpoints, default socket: ");
+        let ms = millis_after(&stdout, &prefix, "NodePort Err(TimedOut) after ");
+        assert!(
+            ms.is_some(),
+            "sctp {backend} no-endpoint NodePort: default socket not refused"
+        );
+    }
     for direction in ["ipvs -> nftables", "nftables -> ipvs"] {
         let line = stdout
             .lines()
@@ -100,4 +199,28 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
             "switch {direction}: {line}"
         );
     }
+}
+
+/// The SCTP line parsers on lines as the VM prints them (the first one after libtest's prefix).
+#[test]
+fn sctp_lines_parse() {
+    let out = "test backend::sctp_vm_tests::vm_sctp_nftables ... VMTEST sctp nftables spread: \
+        ClusterIP 10.96.1.10:7000 24 associations -> sctp-ep1=5 sctp-ep2=19; NodePort \
+        10.0.2.1:30132 24 associations -> sctp-ep1=19 sctp-ep2=5 (5 ms per association; 37 rules)\n\
+        VMTEST sctp nftables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in \
+        207 ms, NodePort Err(ConnectionRefused) in 204 ms (4 ICMP received)\n";
+    let answers = |a: usize, b: usize| vec![("sctp-ep1".to_owned(), a), ("sctp-ep2".to_owned(), b)];
+    assert_eq!(
+        sctp_spread(out, "nftables"),
+        Some(vec![
+            ("ClusterIP".to_owned(), 24, answers(5, 19)),
+            ("NodePort".to_owned(), 24, answers(19, 5)),
+        ])
+    );
+    assert_eq!(sctp_spread(out, "iptables"), None);
+    let prefix = "VMTEST sctp nftables no endpoints, IP_RECVERR socket: ";
+    assert_eq!(
+        millis_after(out, prefix, "NodePort Err(ConnectionRefused) in "),
+        Some(204)
+    );
 }

@@ -18,6 +18,8 @@ pub mod names;
 pub mod nftables;
 pub mod iptables;
 pub mod ipvs;
+#[cfg(test)]
+mod sctp_vm_tests;
 
 use crate::model::{Changes, DualSnapshot, IpFamily, IpNet, NodeInfo};
 

@@ -1,0 +1,432 @@
+//! SCTP through the nftables and the iptables (legacy) backends with real associations. The host
+//! kernel has no SCTP, so these tests are ignored there and run by `scripts/ipvs-vm.sh` inside its
+//! Debian kernel VM (`SWITCHYARD_IPVS_VM=1`), after the IPVS tests, in the same process.
+//!
+//! Topology, in namespaces of their own so the IPVS tests' `client`/`rs*` ones are untouched: the
+//! VM's root namespace is the node (`10.0.2.1`, forwarding on); `sctp-client` (`10.0.2.2`) opens
+//! one-to-one SCTP sockets (`SOCK_STREAM`, `IPPROTO_SCTP`, through `socket2`: the crate forbids
+//! unsafe code); `sctp-ep1` and `sctp-ep2` each run an SCTP server that answers every message with
+//! its namespace's name. Per backend: a ClusterIP and a NodePort service with both servers as
+//! endpoints must spread new associations over both; for a service without endpoints the node
+//! must reject every INIT with ICMP port unreachable, which a default SCTP socket ignores (it
+//! times out) and an `IP_RECVERR` one turns into `ECONNREFUSED`; after cleanup none of the
+//! backend's objects may remain.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::AsFd;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use nix::sched::{CloneFlags, setns};
+use nix::sys::socket::{setsockopt, sockopt};
+use socket2::{Domain, SockAddr, Socket, Type};
+
+use crate::backend::iptables::IptablesBackend;
+use crate::backend::nftables::NftablesBackend;
+use crate::backend::{Backend, Settings};
+use crate::model::fixtures::{self, add};
+use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot};
+use crate::sys::iptables::Variant;
+
+const IPPROTO_SCTP: i32 = 132;
+const CLIENT: &str = "sctp-client";
+/// The node's address on the client's link: the NodePort destination.
+const NODE_IP: &str = "10.0.2.1";
+/// Server namespaces and their addresses (inside the cluster CIDR, so not masqueraded to).
+const SERVERS: [(&str, &str); 2] = [("sctp-ep1", "10.244.21.10"), ("sctp-ep2", "10.244.22.10")];
+/// The servers' port (the endpoints' target port; the service port differs, so DNAT rewrites it).
+const TARGET_PORT: u16 = 9132;
+const SERVICE_PORT: u16 = 7000;
+/// A ClusterIP-only service, and a NodePort one, both on the two servers.
+const CLUSTER_IP: &str = "10.96.1.10";
+const NP_CLUSTER_IP: &str = "10.96.1.11";
+const NODE_PORT: u16 = 30132;
+/// A ClusterIP + NodePort service without endpoints.
+const NONE_IP: &str = "10.96.1.20";
+const NONE_NODE_PORT: u16 = 30133;
+/// New associations per destination.
+const ASSOCIATIONS: usize = 24;
+const TIMEOUT: Duration = Duration::from_secs(3);
+/// The wait for a connect to a service without endpoints.
+const REFUSAL_LIMIT: Duration = Duration::from_secs(1);
+
+fn sh(args: &[&str]) -> String {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {text}");
+    text
+}
+
+fn ipcmd(line: &str) {
+    let args: Vec<&str> = std::iter::once("ip").chain(line.split_whitespace()).collect();
+    sh(&args);
+}
+
+fn enter(ns: &str) {
+    let file = File::open(format!("/run/netns/{ns}")).unwrap();
+    setns(file.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+}
+
+fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter(ns);
+            f()
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+fn sctp_socket() -> std::io::Result<Socket> {
+    Socket::new(
+        Domain::IPV4,
+        Type::STREAM,
+        Some(socket2::Protocol::from(IPPROTO_SCTP)),
+    )
+}
+
+/// Builds the namespaces and starts the SCTP servers once per process.
+fn topology() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        assert!(
+            std::env::var_os("SWITCHYARD_IPVS_VM").is_some(),
+            "VM-only test: run scripts/ipvs-vm.sh"
+        );
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
+        ipcmd("link set lo up");
+        ipcmd(&format!("netns add {CLIENT}"));
+        ipcmd(&format!(
+            "link add s-client type veth peer name eth0 netns {CLIENT}"
+        ));
+        ipcmd(&format!("addr add {NODE_IP}/24 dev s-client"));
+        ipcmd("link set s-client up");
+        ipcmd(&format!("-n {CLIENT} addr add 10.0.2.2/24 dev eth0"));
+        ipcmd(&format!("-n {CLIENT} link set eth0 up"));
+        ipcmd(&format!("-n {CLIENT} link set lo up"));
+        ipcmd(&format!("-n {CLIENT} route add default via {NODE_IP}"));
+        // INIT is retransmitted after 200 ms instead of 3 s (see the no-endpoint check).
+        in_netns(CLIENT, || {
+            std::fs::write("/proc/sys/net/sctp/rto_min", "100").unwrap();
+            std::fs::write("/proc/sys/net/sctp/rto_initial", "200").unwrap();
+        });
+        // Service addresses need a route for packets to them to reach the forward hook (where a
+        // service without endpoints is rejected), as a node's default route gives them; the VM
+        // has no NIC, so a dummy link stands in for it.
+        ipcmd("link add sctp-svc0 type dummy");
+        ipcmd("link set sctp-svc0 up");
+        ipcmd("route add 10.96.1.0/24 dev sctp-svc0");
+        for (i, (ns, addr)) in SERVERS.iter().enumerate() {
+            let net = 21 + i;
+            ipcmd(&format!("netns add {ns}"));
+            ipcmd(&format!("link add s-{ns} type veth peer name eth0 netns {ns}"));
+            ipcmd(&format!("addr add 10.244.{net}.1/24 dev s-{ns}"));
+            ipcmd(&format!("link set s-{ns} up"));
+            ipcmd(&format!("-n {ns} addr add {addr}/24 dev eth0"));
+            ipcmd(&format!("-n {ns} link set eth0 up"));
+            ipcmd(&format!("-n {ns} link set lo up"));
+            ipcmd(&format!("-n {ns} route add default via 10.244.{net}.1"));
+            start_server(ns);
+        }
+    });
+}
+
+/// An SCTP server in `ns` answering every message of every association with `ns`.
+fn start_server(ns: &'static str) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        enter(ns);
+        let listen = || -> std::io::Result<Socket> {
+            let s = sctp_socket()?;
+            s.set_reuse_address(true)?;
+            s.bind(&SockAddr::from(SocketAddr::from(([0, 0, 0, 0], TARGET_PORT))))?;
+            s.listen(64)?;
+            Ok(s)
+        };
+        let listener = match listen() {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = tx.send(Err(e.to_string()));
+                return;
+            }
+        };
+        let _ = tx.send(Ok(()));
+        while let Ok((conn, _)) = listener.accept() {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                while let Ok(n) = (&conn).read(&mut buf) {
+                    if n == 0 || (&conn).write_all(ns.as_bytes()).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let started = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    started.unwrap_or_else(|e| panic!("SCTP server in {ns}: {e}"));
+}
+
+/// Opens one association from the client namespace (`IP_RECVERR` on if `recverr`; connect
+/// within `limit`), asks who answers, and closes it.
+fn ask(dst: &str, port: u16, recverr: bool, limit: Duration) -> std::io::Result<String> {
+    let to = SockAddr::from(SocketAddr::new(dst.parse().unwrap(), port));
+    in_netns(CLIENT, move || {
+        let s = sctp_socket()?;
+        if recverr {
+            setsockopt(&s, sockopt::Ipv4RecvErr, &true)?;
+        }
+        s.connect_timeout(&to, limit)?;
+        s.set_read_timeout(Some(TIMEOUT))?;
+        (&s).write_all(b"who")?;
+        let mut buf = [0u8; 64];
+        let n = (&s).read(&mut buf)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                ErrorKind::UnexpectedEof,
+                "association closed",
+            ));
+        }
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    })
+}
+
+/// Answers per server over `ASSOCIATIONS` new associations to `dst:port`.
+fn spread(dst: &str, port: u16) -> BTreeMap<String, usize> {
+    let mut counts: BTreeMap<String, usize> = SERVERS.iter().map(|(ns, _)| (ns.to_string(), 0)).collect();
+    for i in 0..ASSOCIATIONS {
+        let who =
+            ask(dst, port, false, TIMEOUT).unwrap_or_else(|e| panic!("association {i} to {dst}:{port}: {e}"));
+        *counts.entry(who).or_default() += 1;
+    }
+    counts
+}
+
+fn counts_text(counts: &BTreeMap<String, usize>) -> String {
+    counts
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// What one association attempt got, and after how long.
+fn attempt(dst: &str, port: u16, recverr: bool) -> (Result<String, ErrorKind>, Duration) {
+    let t = Instant::now();
+    let r = ask(dst, port, recverr, REFUSAL_LIMIT).map_err(|e| e.kind());
+    (r, t.elapsed())
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1e3)
+}
+
+fn settings() -> Settings {
+    Settings {
+        node: NodeInfo {
+            name: "vm".into(),
+            addresses: vec![NODE_IP.parse().unwrap()],
+            zone: None,
+        },
+        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        ..Settings::default()
+    }
+}
+
+fn sctp_port(name: &str, cluster_ip: &str, node_port: Option<u16>) -> ServicePort {
+    let name = fixtures::port_name("sctp", name, "assoc", Protocol::Sctp);
+    ServicePort {
+        node_port,
+        ..fixtures::cluster_ip(name, cluster_ip.parse().unwrap(), SERVICE_PORT)
+    }
+}
+
+fn snapshot() -> Snapshot {
+    let mut s = Snapshot::default();
+    let servers = || {
+        SERVERS
+            .iter()
+            .map(|(_, a)| fixtures::ready(a.parse().unwrap(), TARGET_PORT, "other"))
+            .collect()
+    };
+    add(&mut s, sctp_port("cip", CLUSTER_IP, None), servers());
+    add(&mut s, sctp_port("np", NP_CLUSTER_IP, Some(NODE_PORT)), servers());
+    add(&mut s, sctp_port("none", NONE_IP, Some(NONE_NODE_PORT)), vec![]);
+    s
+}
+
+/// A counter of `/proc/thread-self/net/<file>` (`Icmp: ... InDestUnreachs ...` style: a header
+/// line and a value line per prefix) in the calling thread's network namespace.
+fn counter(file: &str, prefix: &str, name: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/thread-self/net/{file}")).unwrap();
+    let mut lines = text.lines().filter(|l| l.starts_with(prefix));
+    let (names, values) = (lines.next().unwrap_or_default(), lines.next().unwrap_or_default());
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("{file}: no {prefix} {name}"))
+}
+
+/// ICMP destination unreachables the client received, and ICMP errors it dropped because the
+/// socket was locked by its owner (`LockDroppedIcmps`).
+fn client_icmp() -> (u64, u64) {
+    in_netns(CLIENT, || {
+        (
+            counter("snmp", "Icmp:", "InDestUnreachs"),
+            counter("netstat", "TcpExt:", "LockDroppedIcmps"),
+        )
+    })
+}
+
+/// A sysctl of the node (the VM's root namespace), restored when dropped.
+struct Sysctl {
+    path: &'static str,
+    old: String,
+}
+
+impl Sysctl {
+    fn set(path: &'static str, value: &str) -> Self {
+        let old = std::fs::read_to_string(path).unwrap();
+        std::fs::write(path, value).unwrap();
+        Self { path, old }
+    }
+}
+
+impl Drop for Sysctl {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.path, self.old.trim());
+    }
+}
+
+/// Programs the snapshot with `b`, sends real SCTP through it, cleans up; `leftovers` lists the
+/// backend's objects still in the kernel.
+fn exercise(backend: &str, b: &mut dyn Backend, leftovers: impl Fn() -> Vec<String>) {
+    topology();
+    b.cleanup().unwrap();
+    assert_eq!(leftovers(), Vec::<String>::new(), "before the test");
+    let stats = b
+        .sync(&snapshot(), &Changes::default(), true)
+        .unwrap_or_else(|e| panic!("{backend} sync: {e}"));
+    assert_eq!(
+        b.verify().unwrap(),
+        Vec::<String>::new(),
+        "no drift after the sync"
+    );
+
+    // (a), (b): new associations spread over both servers, through the ClusterIP and the NodePort.
+    let t = Instant::now();
+    let cluster = spread(CLUSTER_IP, SERVICE_PORT);
+    let node_port = spread(NODE_IP, NODE_PORT);
+    let took = t.elapsed();
+    println!(
+        "VMTEST sctp {backend} spread: ClusterIP {CLUSTER_IP}:{SERVICE_PORT} {ASSOCIATIONS} associations -> {}; NodePort {NODE_IP}:{NODE_PORT} {ASSOCIATIONS} associations -> {} ({} per association; {} rules)",
+        counts_text(&cluster),
+        counts_text(&node_port),
+        ms(took / (2 * ASSOCIATIONS as u32)),
+        stats.rules_total,
+    );
+
+    // (c): no endpoints. The node rejects every INIT at once with ICMP port unreachable (the
+    // reject kube-proxy uses for every protocol), but SCTP takes that as a soft error (RFC 4960
+    // appendix C lets it ignore every code but protocol unreachable and fragmentation needed):
+    // a default socket keeps retransmitting INIT and its connect is not refused. With IP_RECVERR
+    // the error is hard, but only for an ICMP that arrives while the socket is not locked, and on
+    // this one-CPU VM the first one arrives inside connect() (counted as LockDroppedIcmps); so the
+    // refusal comes with the first INIT retransmission, one initial RTO (200 ms in the client
+    // namespace) later.
+    // The node's ICMP rate limit (a burst of 6, then one a second per host) is off meanwhile, so
+    // that every INIT gets its answer.
+    let ratelimit = Sysctl::set("/proc/sys/net/ipv4/icmp_ratelimit", "0");
+    let (icmp0, _) = client_icmp();
+    let plain = attempt(NONE_IP, SERVICE_PORT, false);
+    let plain_np = attempt(NODE_IP, NONE_NODE_PORT, false);
+    let (icmp1, dropped1) = client_icmp();
+    let recverr = attempt(NONE_IP, SERVICE_PORT, true);
+    let recverr_np = attempt(NODE_IP, NONE_NODE_PORT, true);
+    let (icmp2, dropped2) = client_icmp();
+    drop(ratelimit);
+    println!(
+        "VMTEST sctp {backend} no endpoints, default socket: ClusterIP {:?} after {}, NodePort {:?} after {}; {} ICMP port unreachable received, ignored",
+        plain.0,
+        ms(plain.1),
+        plain_np.0,
+        ms(plain_np.1),
+        icmp1 - icmp0,
+    );
+    println!(
+        "VMTEST sctp {backend} no endpoints, IP_RECVERR socket: ClusterIP {:?} in {}, NodePort {:?} in {} ({} ICMP received, {} of them while connect() held the socket lock)",
+        recverr.0,
+        ms(recverr.1),
+        recverr_np.0,
+        ms(recverr_np.1),
+        icmp2 - icmp1,
+        dropped2 - dropped1,
+    );
+
+    // (d): cleanup leaves nothing of ours.
+    b.cleanup().unwrap();
+    let left = leftovers();
+    println!(
+        "VMTEST sctp {backend} cleanup: {} switchyard objects left{}",
+        left.len(),
+        if left.is_empty() {
+            String::new()
+        } else {
+            format!(": {left:?}")
+        }
+    );
+
+    for (ns, _) in SERVERS {
+        assert!(cluster[ns] > 0, "ClusterIP spread: {cluster:?}");
+        assert!(node_port[ns] > 0, "NodePort spread: {node_port:?}");
+    }
+    assert_eq!(cluster.values().sum::<usize>(), ASSOCIATIONS, "{cluster:?}");
+    assert_eq!(node_port.values().sum::<usize>(), ASSOCIATIONS, "{node_port:?}");
+    assert_eq!(
+        (plain.0, plain_np.0),
+        (Err(ErrorKind::TimedOut), Err(ErrorKind::TimedOut))
+    );
+    assert!(
+        icmp1 - icmp0 >= 2,
+        "the node rejected each INIT: {} ICMP",
+        icmp1 - icmp0
+    );
+    let refused = Err(ErrorKind::ConnectionRefused);
+    assert_eq!((recverr.0, recverr_np.0), (refused.clone(), refused));
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+#[ignore = "needs the VM's SCTP kernel: scripts/ipvs-vm.sh"]
+fn vm_sctp_nftables() {
+    let mut b = NftablesBackend::new(settings());
+    exercise("nftables", &mut b, || {
+        if crate::sys::nft::table_exists().unwrap() {
+            vec!["nft table ip switchyard".to_owned()]
+        } else {
+            vec![]
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs the VM's SCTP kernel: scripts/ipvs-vm.sh"]
+fn vm_sctp_iptables_legacy() {
+    let mut b = IptablesBackend::new(Variant::Legacy, settings());
+    exercise("iptables", &mut b, || {
+        sh(&["iptables-legacy-save"])
+            .lines()
+            .filter(|l| l.contains("SWY-") || l.contains("switchyard"))
+            .map(str::to_owned)
+            .collect()
+    });
+}
