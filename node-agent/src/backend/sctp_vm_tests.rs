@@ -235,7 +235,7 @@ fn settings() -> Settings {
             addresses: vec![NODE_IP.parse().unwrap()],
             zone: None,
         },
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
         ..Settings::default()
     }
 }
@@ -244,7 +244,7 @@ fn sctp_port(name: &str, cluster_ip: &str, node_port: Option<u16>) -> ServicePor
     let name = fixtures::port_name("sctp", name, "assoc", Protocol::Sctp);
     ServicePort {
         node_port,
-        ..fixtures::cluster_ip(name, cluster_ip.parse().unwrap(), SERVICE_PORT)
+        ..fixtures::cluster_ip(name, cluster_ip.parse::<std::net::IpAddr>().unwrap(), SERVICE_PORT)
     }
 }
 
@@ -253,7 +253,7 @@ fn snapshot() -> Snapshot {
     let servers = || {
         SERVERS
             .iter()
-            .map(|(_, a)| fixtures::ready(a.parse().unwrap(), TARGET_PORT, "other"))
+            .map(|(_, a)| fixtures::ready(a.parse::<std::net::IpAddr>().unwrap(), TARGET_PORT, "other"))
             .collect()
     };
     add(&mut s, sctp_port("cip", CLUSTER_IP, None), servers());
@@ -314,7 +314,7 @@ fn exercise(backend: &str, b: &mut dyn Backend, leftovers: impl Fn() -> Vec<Stri
     b.cleanup().unwrap();
     assert_eq!(leftovers(), Vec::<String>::new(), "before the test");
     let stats = b
-        .sync(&snapshot(), &Changes::default(), true)
+        .sync(&crate::model::DualSnapshot::from(snapshot()), &Changes::default(), true)
         .unwrap_or_else(|e| panic!("{backend} sync: {e}"));
     assert_eq!(
         b.verify().unwrap(),
@@ -410,11 +410,11 @@ fn exercise(backend: &str, b: &mut dyn Backend, leftovers: impl Fn() -> Vec<Stri
 fn vm_sctp_nftables() {
     let mut b = NftablesBackend::new(settings());
     exercise("nftables", &mut b, || {
-        if crate::sys::nft::table_exists().unwrap() {
-            vec!["nft table ip switchyard".to_owned()]
-        } else {
-            vec![]
-        }
+        crate::model::IpFamily::ALL
+            .into_iter()
+            .filter(|f| crate::sys::nft::table_exists(*f).unwrap())
+            .map(|f| format!("nft table {} switchyard", super::nftables::ir::family_name(f)))
+            .collect()
     });
 }
 
