@@ -9,9 +9,9 @@
 //! The same run carries the SCTP tier (this host kernel has no SCTP): for the nftables and the
 //! iptables (legacy) backends, real SCTP associations from a client namespace to an SCTP ClusterIP
 //! and an SCTP NodePort, each with two server namespaces as endpoints, must reach both servers; for
-//! a service without endpoints the node must answer every INIT with ICMP port unreachable, which a
-//! default SCTP socket ignores (its connect times out: RFC 4960 appendix C) and an `IP_RECVERR`
-//! socket turns into `ECONNREFUSED` well within a second; cleanup must leave no switchyard objects.
+//! a service without endpoints the node must answer every INIT with ICMP protocol unreachable,
+//! which SCTP takes as an ABORT (RFC 4960 appendix C), so a default socket is refused well within a
+//! second; cleanup must leave no switchyard objects.
 //!
 //! This host kernel has no IPVS, so this test never skips: when the VM cannot be prepared or
 //! booted it fails with one line saying why.
@@ -43,12 +43,10 @@ const MUST_SHOW: [&str; 28] = [
     "VMTEST switch load: ",
     // SCTP through the nftables and iptables backends (the numbers are checked below).
     "VMTEST sctp nftables spread: ClusterIP ",
-    "VMTEST sctp nftables no endpoints, default socket: ClusterIP Err(TimedOut) after ",
-    "VMTEST sctp nftables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in ",
+    "VMTEST sctp nftables no endpoints: ClusterIP Err(Os(ENOPROTOOPT)) in ",
     "VMTEST sctp nftables cleanup: 0 switchyard objects left",
     "VMTEST sctp iptables spread: ClusterIP ",
-    "VMTEST sctp iptables no endpoints, default socket: ClusterIP Err(TimedOut) after ",
-    "VMTEST sctp iptables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in ",
+    "VMTEST sctp iptables no endpoints: ClusterIP Err(Os(ENOPROTOOPT)) in ",
     "VMTEST sctp iptables cleanup: 0 switchyard objects left",
 ];
 
@@ -85,7 +83,7 @@ fn sctp_spread(stdout: &str, backend: &str) -> Option<Vec<Spread>> {
         .collect()
 }
 
-/// The milliseconds after `what` (`ClusterIP Err(ConnectionRefused) in `) on the line containing
+/// The milliseconds after `what` (`ClusterIP Err(Os(ENOPROTOOPT)) in `) on the line containing
 /// `prefix`.
 fn millis_after(stdout: &str, prefix: &str, what: &str) -> Option<u64> {
     let line = stdout.lines().find(|l| l.contains(prefix))?;
@@ -148,7 +146,7 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
         "switch under load: (connections, failed) = {load:?}"
     );
     // SCTP: every association answered, by both servers, through the ClusterIP and the NodePort;
-    // a service without endpoints refused within a second for an IP_RECVERR socket.
+    // a service without endpoints refuses a default socket (ENOPROTOOPT: aborted) within a second.
     for backend in ["nftables", "iptables"] {
         let spread = sctp_spread(&stdout, backend);
         let kinds: Vec<&str> = spread
@@ -174,20 +172,14 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
                 "sctp {backend} {kind}: every association answered: {answers:?}"
             );
         }
-        let prefix = format!("VMTEST sctp {backend} no endpoints, IP_RECVERR socket: ");
+        let prefix = format!("VMTEST sctp {backend} no endpoints: ");
         for kind in ["ClusterIP", "NodePort"] {
-            let ms = millis_after(&stdout, &prefix, &format!("{kind} Err(ConnectionRefused) in "));
+            let ms = millis_after(&stdout, &prefix, &format!("{kind} Err(Os(ENOPROTOOPT)) in "));
             assert!(
                 matches!(ms, Some(ms) if ms < 1000),
                 "sctp {backend} no-endpoint {kind} refused in {ms:?} ms"
             );
         }
-        let prefix = format!("VMTEST sctp {backend} no endpoints, default socket: ");
-        let ms = millis_after(&stdout, &prefix, "NodePort Err(TimedOut) after ");
-        assert!(
-            ms.is_some(),
-            "sctp {backend} no-endpoint NodePort: default socket not refused"
-        );
     }
     for direction in ["ipvs -> nftables", "nftables -> ipvs"] {
         let line = stdout
@@ -207,8 +199,8 @@ fn sctp_lines_parse() {
     let out = "test backend::sctp_vm_tests::vm_sctp_nftables ... VMTEST sctp nftables spread: \
         ClusterIP 10.96.1.10:7000 24 associations -> sctp-ep1=5 sctp-ep2=19; NodePort \
         10.0.2.1:30132 24 associations -> sctp-ep1=19 sctp-ep2=5 (5 ms per association; 37 rules)\n\
-        VMTEST sctp nftables no endpoints, IP_RECVERR socket: ClusterIP Err(ConnectionRefused) in \
-        207 ms, NodePort Err(ConnectionRefused) in 204 ms (4 ICMP received)\n";
+        VMTEST sctp nftables no endpoints: ClusterIP Err(Os(ENOPROTOOPT)) in \
+        57 ms, NodePort Err(Os(ENOPROTOOPT)) in 54 ms (2 ICMP received)\n";
     let answers = |a: usize, b: usize| vec![("sctp-ep1".to_owned(), a), ("sctp-ep2".to_owned(), b)];
     assert_eq!(
         sctp_spread(out, "nftables"),
@@ -218,9 +210,9 @@ fn sctp_lines_parse() {
         ])
     );
     assert_eq!(sctp_spread(out, "iptables"), None);
-    let prefix = "VMTEST sctp nftables no endpoints, IP_RECVERR socket: ";
+    let prefix = "VMTEST sctp nftables no endpoints: ";
     assert_eq!(
-        millis_after(out, prefix, "NodePort Err(ConnectionRefused) in "),
-        Some(204)
+        millis_after(out, prefix, "NodePort Err(Os(ENOPROTOOPT)) in "),
+        Some(54)
     );
 }

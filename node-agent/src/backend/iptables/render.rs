@@ -333,10 +333,12 @@ fn render_service(
     let cat = categorize(eps, &settings.node);
     let family = sp.family();
     let Spelling { host, mut reject, mask } = spelling(family);
-    if family == IpFamily::V6 && name.protocol == crate::model::Protocol::Tcp {
-        // See the nftables render: an ICMPv6 reject of a SYN can be dropped at the connecting
-        // socket, delaying the refusal by a SYN retransmission; a reset is seen at once.
-        reject = "REJECT --reject-with tcp-reset";
+    // Rejects a client sees at once (see the nftables render's `fast_rejects`): a reset for IPv6
+    // TCP, protocol unreachable (an ABORT to a starting association) for IPv4 SCTP.
+    match (family, name.protocol) {
+        (IpFamily::V6, crate::model::Protocol::Tcp) => reject = "REJECT --reject-with tcp-reset",
+        (IpFamily::V4, crate::model::Protocol::Sctp) => reject = "REJECT --reject-with icmp-proto-unreachable",
+        _ => {}
     }
 
     // kube-proxy's UsesClusterEndpoints / UsesLocalEndpoints.

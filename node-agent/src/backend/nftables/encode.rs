@@ -471,6 +471,8 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
             vec![("reject", Nla::default().u32(1, 0).put(2, &[code]))]
         }
         Expr::RejectTcpReset => vec![("reject", Nla::default().u32(1, 1).put(2, &[0]))],
+        // NFT_REJECT_ICMP_UNREACH with ICMP_PROT_UNREACH.
+        Expr::RejectProtocolUnreachable => vec![("reject", Nla::default().u32(1, 0).put(2, &[2]))],
         Expr::UpdateSaddr(s) => {
             vec![payload(1, 1, l.saddr, l.len), ("dynset", Nla::default().str(1, s).u32(3, 1).u32(4, 1))]
         }

@@ -111,6 +111,8 @@ pub enum Expr {
     Reject,
     /// `reject with tcp reset` (after an `L4Proto(Tcp)` match).
     RejectTcpReset,
+    /// `reject with icmp prot-unreachable` (IPv4, after an `L4Proto(Sctp)` match).
+    RejectProtocolUnreachable,
     /// `update @SET { ip saddr }`.
     UpdateSaddr(String),
     /// `ip daddr . meta l4proto . th dport vmap @MAP`.
@@ -151,6 +153,7 @@ impl Expr {
             Expr::Masquerade => "masquerade fully-random".into(),
             Expr::Reject => "reject".into(),
             Expr::RejectTcpReset => "reject with tcp reset".into(),
+            Expr::RejectProtocolUnreachable => "reject with icmp prot-unreachable".into(),
             Expr::UpdateSaddr(s) => format!("update @{s} {{ {ip} saddr }}"),
             Expr::VmapDaddrProtoPort(m) => format!("{ip} daddr . meta l4proto . th dport vmap @{m}"),
             Expr::VmapProtoPort(m) => format!("meta l4proto . th dport vmap @{m}"),

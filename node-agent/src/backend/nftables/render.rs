@@ -112,14 +112,14 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         chain("service-endpoints-check", vec![Rule::new(vec![Expr::VmapDaddrProtoPort(NO_ENDPOINT_SERVICES.into())])]),
         chain("nodeport-endpoints-check", vec![Rule::new(with(nodeport_match.clone(), Expr::VmapProtoPort(NO_ENDPOINT_NODEPORTS.into())))]),
         chain("cluster-ips-check", {
-            let mut rules = tcp_reset(family, vec![Expr::DaddrInSet(CLUSTER_IPS.into())]);
+            let mut rules = fast_rejects(family, vec![Expr::DaddrInSet(CLUSTER_IPS.into())]);
             rules.push(
                 Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject]).comment("Reject traffic to invalid ports of ClusterIPs"),
             );
             rules
         }),
         chain("reject-chain", {
-            let mut rules = tcp_reset(family, vec![]);
+            let mut rules = fast_rejects(family, vec![]);
             rules.push(Rule::new(vec![Expr::Reject]).comment("helper for @no-endpoint-services / @no-endpoint-nodeports"));
             rules
         }),
@@ -152,16 +152,22 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
     Ruleset { family, sets: sets_defs, elements, chains }
 }
 
-/// IPv6 refuses TCP with a reset: an ICMPv6 port-unreachable that answers a SYN while the
-/// connecting socket is locked is dropped by the kernel (`TcpExtLockDroppedIcmps`), so the client
-/// would only see the refusal after its first SYN retransmission, a second later. IPv4 keeps
-/// kube-proxy's ICMP reject.
-fn tcp_reset(family: IpFamily, mut matches: Vec<Expr>) -> Vec<Rule> {
-    if family == IpFamily::V4 {
-        return Vec::new();
-    }
-    matches.extend([Expr::L4Proto(crate::model::Protocol::Tcp), Expr::RejectTcpReset]);
-    vec![Rule::new(matches)]
+/// Rejects that a client sees at once, ahead of kube-proxy's plain ICMP port unreachable:
+/// - IPv6 TCP gets a reset: an ICMPv6 port unreachable that answers a SYN while the connecting
+///   socket is locked is dropped (`TcpExtLockDroppedIcmps`), so the refusal would wait for the SYN
+///   retransmission a second later.
+/// - IPv4 SCTP gets ICMP protocol unreachable, which SCTP handles as an ABORT of the starting
+///   association (RFC 4960 appendix C); port unreachable is only a soft error to SCTP, and
+///   the client would retry INIT for minutes. (ICMPv6 has no such code in `reject`.)
+fn fast_rejects(family: IpFamily, matches: Vec<Expr>) -> Vec<Rule> {
+    use crate::model::Protocol;
+    let (protocol, reject) = match family {
+        IpFamily::V4 => (Protocol::Sctp, Expr::RejectProtocolUnreachable),
+        IpFamily::V6 => (Protocol::Tcp, Expr::RejectTcpReset),
+    };
+    let mut exprs = matches;
+    exprs.extend([Expr::L4Proto(protocol), reject]);
+    vec![Rule::new(exprs)]
 }
 
 /// DNAT cascade over `eps`: endpoint j of n is taken with probability 1/(n-j) given the earlier
