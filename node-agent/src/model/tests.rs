@@ -32,7 +32,9 @@ fn categorize_prefers_ready_then_serving_terminating() {
     let n1 = ep([10, 0, 0, 5], "a", false, false, false); // not ready, not terminating
     let last_octet = |ip: &IpAddr| if let IpAddr::V4(a) = ip { a.octets()[3] } else { 0 };
     let ips = |v: &[&Endpoint]| v.iter().map(|e| last_octet(&e.ip)).collect::<Vec<_>>();
-    let cases: Vec<(Vec<Endpoint>, &str, Vec<u8>, Vec<u8>, bool)> = vec![
+    // (endpoints, node, cluster octets, local octets, has any)
+    type Case<'a> = (Vec<Endpoint>, &'a str, Vec<u8>, Vec<u8>, bool);
+    let cases: Vec<Case> = vec![
         (vec![r1.clone(), r2.clone(), t1.clone()], "a", vec![1, 2], vec![1], true),
         (vec![r2.clone(), t1.clone()], "a", vec![2], vec![3], true), // local falls back independently
         (vec![t1.clone(), t2.clone(), n1.clone()], "b", vec![3], vec![], true),

@@ -80,7 +80,9 @@ fn ipvs_mode_needs_family_ipset_iptables_and_a_scheduler() {
 #[test]
 fn iptables_variant_follows_existing_rules_then_prefers_legacy() {
     let err = || Err::<usize, String>("missing".into());
-    let cases: &[(Result<usize, String>, Result<usize, String>, Option<&str>)] = &[
+    // (legacy rule count, nft rule count, chosen variant)
+    type Case<'a> = (Result<usize, String>, Result<usize, String>, Option<&'a str>);
+    let cases: &[Case] = &[
         (Ok(0), Ok(0), Some("legacy")),
         (Ok(3), Ok(40), Some("nft")),
         (Ok(40), Ok(3), Some("legacy")),

@@ -428,7 +428,7 @@ fn iptables_render_semantics_table() {
     let last_services = nat
         .lines()
         .filter(|l| l.starts_with("-A SWY-SERVICES "))
-        .last()
+        .next_back()
         .unwrap_or("");
     assert!(last_services.ends_with("-j SWY-NODEPORTS"), "{last_services}");
 }
