@@ -427,8 +427,7 @@ fn iptables_render_semantics_table() {
     let nat = text.split("*nat\n").nth(1).unwrap_or("");
     let last_services = nat
         .lines()
-        .filter(|l| l.starts_with("-A SWY-SERVICES "))
-        .next_back()
+        .rfind(|l| l.starts_with("-A SWY-SERVICES "))
         .unwrap_or("");
     assert!(last_services.ends_with("-j SWY-NODEPORTS"), "{last_services}");
 }
