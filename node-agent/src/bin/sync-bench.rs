@@ -173,7 +173,7 @@ fn breakdown() {
         (start.elapsed().as_secs_f64() * 1000.0, ok)
     };
     let mut b = Batch::new();
-    let e = Element { key: Key::Ipv4(Ipv4Addr::new(10, 99, 0, 1)), verdict: None, comment: None };
+    let e = Element { key: Key::Ipv4(Ipv4Addr::new(10, 99, 0, 1)), verdict: None, dnat: None, comment: None };
     b.elements("cluster-ips", &[&e], true);
     eprintln!("breakdown: add one plain set element: {:?} ms", time(b));
     let mut b = Batch::new();

@@ -193,7 +193,7 @@ impl Batch {
     pub fn add_set(&mut self, set: &SetDef) {
         let (key_type, key_len) = key_type(set.key);
         let mut flags = 0u32;
-        if set.verdict_map {
+        if set.verdict_map || set.key.is_endpoint_map() {
             flags |= 0x8; // NFT_SET_MAP
         }
         if set.timeout_seconds.is_some() {
@@ -203,6 +203,8 @@ impl Batch {
         let mut attrs = Nla::default().str(1, TABLE).str(2, &set.name).u32(3, flags).u32(4, key_type).u32(5, key_len);
         if set.verdict_map {
             attrs = attrs.u32(6, 0xffff_ff00).u32(7, 0);
+        } else if set.key.is_endpoint_map() {
+            attrs = attrs.u32(6, (IPV4 << 6) | SERVICE).u32(7, 8); // ipv4_addr . inet_service
         }
         // The kernel requires a transaction-unique set id.
         attrs = attrs.u32(10, self.set_ids);
@@ -213,6 +215,9 @@ impl Batch {
         // Key byte order: big endian (2) for addresses, as nft records it for dynamic sets.
         if set.timeout_seconds.is_some() {
             udata.extend_from_slice(&[0, 4, 2, 0, 0, 0]);
+        }
+        if let Some(typeof_) = typeof_udata(set.key) {
+            udata.extend(typeof_);
         }
         if let Some(c) = &set.comment {
             udata.extend(udata_string(7, c));
@@ -243,6 +248,10 @@ impl Batch {
             if add {
                 if let Some(v) = &e.verdict {
                     elem = elem.nest(2, verdict_data(v));
+                }
+                if let Some((a, p)) = &e.dnat {
+                    let port = p.to_be_bytes();
+                    elem = elem.nest(2, value(&[a.octets(), [port[0], port[1], 0, 0]].concat()));
                 }
                 if let Some(c) = &e.comment {
                     elem = elem.put(6, &udata_string(0, c));
@@ -288,15 +297,58 @@ fn udata_string(kind: u8, s: &str) -> Vec<u8> {
     v
 }
 
+/// libnftnl user-data TLV.
+fn udata(kind: u8, value: &[u8]) -> Vec<u8> {
+    let mut v = vec![kind, value.len() as u8];
+    v.extend_from_slice(value);
+    v
+}
+
+/// nft's `typeof` description of one expression: expression type and its attributes.
+fn typeof_expr(expr: u32, attrs: &[u32]) -> Vec<u8> {
+    let data: Vec<u8> = attrs.iter().enumerate().flat_map(|(i, a)| udata(i as u8, &a.to_ne_bytes())).collect();
+    [udata(0, &expr.to_ne_bytes()), udata(1, &data)].concat()
+}
+
+/// nft's `typeof` of a concatenation.
+fn typeof_concat(parts: &[Vec<u8>]) -> Vec<u8> {
+    const CONCAT: u32 = 13;
+    let data: Vec<u8> = parts.iter().enumerate().flat_map(|(i, p)| udata(i as u8, p)).collect();
+    [udata(0, &CONCAT.to_ne_bytes()), udata(1, &data)].concat()
+}
+
+/// The set user data nft writes for `typeof` endpoint maps (key and data byte order, key and
+/// data expressions, data interval), so that `nft list` shows them as `typeof`.
+fn typeof_udata(key: KeyType) -> Option<Vec<u8>> {
+    const PAYLOAD: u32 = 7;
+    const META: u32 = 9;
+    const NUMGEN: u32 = 23;
+    let (ip_daddr, th_dport) = (typeof_expr(PAYLOAD, &[12, 12]), typeof_expr(PAYLOAD, &[11, 2]));
+    let l4proto = typeof_expr(META, &[16]);
+    let numgen = |n: u32| typeof_expr(NUMGEN, &[1, n, 0]);
+    let key = match key {
+        KeyType::Ipv4ProtoPortSlot(n) => typeof_concat(&[ip_daddr.clone(), l4proto, th_dport.clone(), numgen(n)]),
+        KeyType::ProtoPortSlot(n) => typeof_concat(&[l4proto, th_dport.clone(), numgen(n)]),
+        _ => return None,
+    };
+    let data = typeof_concat(&[ip_daddr, th_dport]);
+    let zero = 0u32.to_ne_bytes();
+    Some([udata(0, &zero), udata(1, &zero), udata(3, &key), udata(4, &data), udata(6, &zero)].concat())
+}
+
+const IPV4: u32 = 7;
+const INTEGER: u32 = 4;
+const PROTO: u32 = 12;
+const SERVICE: u32 = 13;
+
 fn key_type(key: KeyType) -> (u32, u32) {
-    const IPV4: u32 = 7;
-    const PROTO: u32 = 12;
-    const SERVICE: u32 = 13;
     match key {
         KeyType::Ipv4 => (IPV4, 4),
         KeyType::ProtoPort => ((PROTO << 6) | SERVICE, 8),
         KeyType::Ipv4ProtoPort => ((((IPV4 << 6) | PROTO) << 6) | SERVICE, 12),
         KeyType::Ipv4Ipv4 => ((IPV4 << 6) | IPV4, 8),
+        KeyType::Ipv4ProtoPortSlot(_) => ((((((IPV4 << 6) | PROTO) << 6) | SERVICE) << 6) | INTEGER, 16),
+        KeyType::ProtoPortSlot(_) => ((((PROTO << 6) | SERVICE) << 6) | INTEGER, 12),
     }
 }
 
@@ -312,6 +364,9 @@ pub fn key_bytes(key: &Key) -> Vec<u8> {
         Key::ProtoPort(p, n) => [proto(*p), port(*n)].concat(),
         Key::Ipv4ProtoPort(a, p, n) => [a.octets(), proto(*p), port(*n)].concat(),
         Key::Ipv4Ipv4(a, b) => [a.octets(), b.octets()].concat(),
+        // numgen writes its value in host byte order.
+        Key::Ipv4ProtoPortSlot(a, p, n, s) => [a.octets(), proto(*p), port(*n), s.index.to_ne_bytes()].concat(),
+        Key::ProtoPortSlot(p, n, s) => [proto(*p), port(*n), s.index.to_ne_bytes()].concat(),
     }
 }
 
@@ -347,6 +402,15 @@ fn bitwise(len: u32, mask: &[u8], xor: &[u8]) -> (&'static str, Nla) {
 
 fn meta_load(dreg: u32, key: u32) -> (&'static str, Nla) {
     ("meta", Nla::default().u32(1, dreg).u32(2, key))
+}
+
+fn numgen(dreg: u32, modulus: u32) -> (&'static str, Nla) {
+    ("numgen", Nla::default().u32(1, dreg).u32(2, modulus).u32(3, 1 /* random */))
+}
+
+/// DNAT to the address in register 1 and the port in register 9 (`dnat ip to … map`).
+fn dnat_from_registers() -> (&'static str, Nla) {
+    ("nat", Nla::default().u32(1, 1).u32(2, u32::from(NFPROTO_IPV4)).u32(3, 1).u32(5, 9))
 }
 
 fn lookup(set: &str, dreg: Option<u32>) -> (&'static str, Nla) {
@@ -394,11 +458,30 @@ pub fn encode_expr(e: &Expr) -> Vec<(&'static str, Nla)> {
         Expr::DaddrInSet(s) => vec![payload(1, 1, DADDR, 4), lookup(s, None)],
         Expr::SaddrInSet(s) => vec![payload(1, 1, SADDR, 4), lookup(s, None)],
         Expr::SaddrDaddrInSet(s) => vec![payload(1, 1, SADDR, 4), payload(9, 1, DADDR, 4), lookup(s, None)],
+        Expr::DaddrProtoPortInSet(s) => {
+            vec![payload(1, 1, DADDR, 4), meta_load(9, META_L4PROTO), payload(10, 2, 2, 2), lookup(s, None)]
+        }
+        Expr::ProtoPortInSet(s) => vec![meta_load(1, META_L4PROTO), payload(9, 2, 2, 2), lookup(s, None)],
+        Expr::DnatDaddrProtoPortSlot(n, m) => vec![
+            payload(1, 1, DADDR, 4),
+            meta_load(9, META_L4PROTO),
+            payload(10, 2, 2, 2),
+            numgen(11, *n),
+            lookup(m, Some(1)),
+            dnat_from_registers(),
+        ],
+        Expr::DnatProtoPortSlot(n, m) => vec![
+            meta_load(1, META_L4PROTO),
+            payload(9, 2, 2, 2),
+            numgen(10, *n),
+            lookup(m, Some(1)),
+            dnat_from_registers(),
+        ],
         Expr::FibSaddrLocal | Expr::FibDaddrLocal => {
             let flags = if matches!(e, Expr::FibSaddrLocal) { 1 } else { 2 };
             vec![("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)), cmp(true, &2u32.to_ne_bytes())]
         }
-        Expr::NumgenZero(m) => vec![("numgen", Nla::default().u32(1, 1).u32(2, *m).u32(3, 1)), cmp(true, &[0; 4])],
+        Expr::NumgenZero(m) => vec![numgen(1, *m), cmp(true, &[0; 4])],
         Expr::L4Proto(p) => vec![meta_load(1, META_L4PROTO), cmp(true, &[p.number()])],
         Expr::MarkUnset(m) => vec![meta_load(1, META_MARK), bitwise(4, &m.to_ne_bytes(), &[0; 4]), cmp(true, &[0; 4])],
         Expr::SetMarkOr(m) | Expr::SetMarkXor(m) => {
