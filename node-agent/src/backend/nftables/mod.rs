@@ -42,6 +42,8 @@ pub struct NftablesBackend {
     bypassed: bool,
     /// Whether a full sync has programmed the table.
     programmed: bool,
+    /// Our nf_tables socket.
+    session: sys::nft::Session,
 }
 
 /// The entries of one Service in a map keyed by service port, by range (the key orders by
@@ -70,6 +72,7 @@ impl NftablesBackend {
             stale_sets: BTreeSet::new(),
             bypassed: false,
             programmed: false,
+            session: sys::nft::Session::default(),
         }
     }
 
@@ -106,7 +109,7 @@ impl NftablesBackend {
         for s in &self.stale_sets {
             batch.delete_set(s);
         }
-        match sys::nft::apply(batch)? {
+        match self.session.apply(batch)? {
             Ok(()) => {
                 self.stale_chains.clear();
                 self.stale_sets.clear();
@@ -179,7 +182,7 @@ impl NftablesBackend {
             batch.flush_chain(c);
         }
         let messages = batch.len() as usize;
-        sys::nft::apply(batch)?.map_err(kernel)?;
+        self.session.apply(batch)?.map_err(kernel)?;
         self.stale_chains = stale_chains;
         self.stale_sets = existing_sets.difference(&desired_sets).cloned().collect();
         let stats = SyncStats {
@@ -319,7 +322,7 @@ impl NftablesBackend {
         let mut stale_sets: Vec<String> = old_sets.difference(&new_sets).map(|s| (*s).to_owned()).collect();
         stale_sets.extend(stale_maps);
         let messages = batch.len() as usize;
-        let result = sys::nft::apply(batch)?.map_err(kernel);
+        let result = self.session.apply(batch)?.map_err(kernel);
         let stats = SyncStats {
             full: false,
             services: added.len(),
@@ -366,7 +369,7 @@ impl Backend for NftablesBackend {
         }
         let mut batch = Batch::new();
         batch.delete_table();
-        sys::nft::apply(batch)?.map_err(kernel)
+        self.session.apply(batch)?.map_err(kernel)
     }
 
     fn render_text(&self, snapshot: &Snapshot) -> String {
@@ -388,7 +391,7 @@ impl Backend for NftablesBackend {
                 batch.add_rule(&chain.name, rule);
             }
         }
-        sys::nft::apply(batch)?.map_err(kernel)
+        self.session.apply(batch)?.map_err(kernel)
     }
 
     fn verify(&self) -> Result<Vec<String>, BackendError> {
