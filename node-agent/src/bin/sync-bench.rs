@@ -167,13 +167,15 @@ fn breakdown() {
         model::{IpFamily, Protocol},
         sys,
     };
-    let time = |batch: Batch| {
+    // One socket for all: closing one waits for the kernel to destroy what the sync deleted.
+    let mut session = sys::nft::Session::default();
+    let mut time = |batch: Batch| {
         let start = Instant::now();
-        let ok = matches!(sys::nft::apply(batch), Ok(Ok(())));
+        let ok = matches!(session.apply(batch), Ok(Ok(())));
         (start.elapsed().as_secs_f64() * 1000.0, ok)
     };
     let mut b = Batch::new(IpFamily::V4);
-    let e = Element { key: Key::Addr(Ipv4Addr::new(10, 99, 0, 1).into()), verdict: None, comment: None };
+    let e = Element { key: Key::Addr(Ipv4Addr::new(10, 99, 0, 1).into()), verdict: None, dnat: None, comment: None };
     b.elements("cluster-ips", &[&e], true);
     eprintln!("breakdown: add one plain set element: {:?} ms", time(b));
     let mut b = Batch::new(IpFamily::V4);

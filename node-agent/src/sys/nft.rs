@@ -64,11 +64,39 @@ fn first_error(transport: &Transport, request: Vec<u8>, seq: u32, what: &str) ->
 /// Sends a whole nf_tables transaction (one batch) and returns the kernel's first refusal, if any.
 /// The socket buffers are sized for the batch so that large transactions stay atomic.
 pub fn apply(batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
-    if batch.is_empty() {
-        return Ok(Ok(()));
+    Session::default().apply(batch)
+}
+
+/// An nf_tables socket kept open across transactions: closing one makes the kernel first finish
+/// destroying what the last transaction deleted (`nft_rcv_nl_event` flushes the destroy work, which
+/// waits for an RCU grace period: 5–15 ms measured), a wait every element-deleting sync would pay.
+/// The socket belongs to the network namespace of the thread that first applies a batch.
+#[derive(Debug, Default)]
+pub struct Session {
+    transport: Option<Transport>,
+}
+
+impl Session {
+    /// Like [`apply`], on this session's socket.
+    pub fn apply(&mut self, batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
+        if batch.is_empty() {
+            return Ok(Ok(()));
+        }
+        let transport = match self.transport.take() {
+            Some(t) => t,
+            None => Transport::open(NETLINK_NETFILTER)?,
+        };
+        let outcome = send_batch(&transport, batch);
+        // After a refusal or an error the kernel may still have replies queued: start afresh.
+        if matches!(outcome, Ok(Ok(()))) {
+            self.transport = Some(transport);
+        }
+        outcome
     }
+}
+
+fn send_batch(transport: &Transport, batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
     let (bytes, acks) = batch.finish();
-    let transport = Transport::open(NETLINK_NETFILTER)?;
     transport.size_buffers(bytes.len() + 4096, 4 << 20)?;
     let replies = transport.request(&bytes, &acks)?;
     Ok(match replies.iter().find(|r| r.error.is_some_and(|e| e != 0)) {

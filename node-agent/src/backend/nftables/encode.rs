@@ -206,7 +206,7 @@ impl Batch {
     pub fn add_set(&mut self, set: &SetDef) {
         let (key_type, key_len) = key_type(set.key, self.family);
         let mut flags = 0u32;
-        if set.verdict_map {
+        if set.verdict_map || set.key.is_endpoint_map() {
             flags |= 0x8; // NFT_SET_MAP
         }
         if set.timeout_seconds.is_some() {
@@ -216,6 +216,10 @@ impl Batch {
         let mut attrs = Nla::default().str(1, TABLE).str(2, &set.name).u32(3, flags).u32(4, key_type).u32(5, key_len);
         if set.verdict_map {
             attrs = attrs.u32(6, 0xffff_ff00).u32(7, 0);
+        } else if set.key.is_endpoint_map() {
+            // Data `ipv4_addr . inet_service` / `ipv6_addr . inet_service`.
+            let (addr, len) = addr_type(self.family);
+            attrs = attrs.u32(6, (addr << 6) | SERVICE).u32(7, len + 4);
         }
         // The kernel requires a transaction-unique set id.
         attrs = attrs.u32(10, self.set_ids);
@@ -226,6 +230,9 @@ impl Batch {
         // Key byte order: big endian (2) for addresses, as nft records it for dynamic sets.
         if set.timeout_seconds.is_some() {
             udata.extend_from_slice(&[0, 4, 2, 0, 0, 0]);
+        }
+        if let Some(typeof_) = typeof_udata(set.key, self.family) {
+            udata.extend(typeof_);
         }
         if let Some(c) = &set.comment {
             udata.extend(udata_string(7, c));
@@ -256,6 +263,10 @@ impl Batch {
             if add {
                 if let Some(v) = &e.verdict {
                     elem = elem.nest(2, verdict_data(v));
+                }
+                if let Some((a, p)) = &e.dnat {
+                    let port = p.to_be_bytes();
+                    elem = elem.nest(2, value(&[octets(a), vec![port[0], port[1], 0, 0]].concat()));
                 }
                 if let Some(c) = &e.comment {
                     elem = elem.put(6, &udata_string(0, c));
@@ -301,19 +312,73 @@ fn udata_string(kind: u8, s: &str) -> Vec<u8> {
     v
 }
 
-fn key_type(key: KeyType, family: IpFamily) -> (u32, u32) {
-    const PROTO: u32 = 12;
-    const SERVICE: u32 = 13;
-    // nft datatypes ipv4_addr (7) / ipv6_addr (8); concatenations shift 6 bits per field.
-    let (addr, len) = match family {
+/// libnftnl user-data TLV.
+fn udata(kind: u8, value: &[u8]) -> Vec<u8> {
+    let mut v = vec![kind, value.len() as u8];
+    v.extend_from_slice(value);
+    v
+}
+
+/// nft's `typeof` description of one expression: expression type and its attributes.
+fn typeof_expr(expr: u32, attrs: &[u32]) -> Vec<u8> {
+    let data: Vec<u8> = attrs.iter().enumerate().flat_map(|(i, a)| udata(i as u8, &a.to_ne_bytes())).collect();
+    [udata(0, &expr.to_ne_bytes()), udata(1, &data)].concat()
+}
+
+/// nft's `typeof` of a concatenation.
+fn typeof_concat(parts: &[Vec<u8>]) -> Vec<u8> {
+    const CONCAT: u32 = 13;
+    let data: Vec<u8> = parts.iter().enumerate().flat_map(|(i, p)| udata(i as u8, p)).collect();
+    [udata(0, &CONCAT.to_ne_bytes()), udata(1, &data)].concat()
+}
+
+/// The set user data nft writes for `typeof` endpoint maps (key and data byte order, key and
+/// data expressions, data interval), so that `nft list` shows them as `typeof`.
+fn typeof_udata(key: KeyType, family: IpFamily) -> Option<Vec<u8>> {
+    const PAYLOAD: u32 = 7;
+    const META: u32 = 9;
+    const NUMGEN: u32 = 23;
+    // Payload expressions are (protocol description, field): `ip daddr` is (IP, DADDR),
+    // `ip6 daddr` (IP6, DADDR), `th dport` (TH, DPORT), in nft's numbering.
+    let daddr = match family {
+        IpFamily::V4 => typeof_expr(PAYLOAD, &[12, 12]),
+        IpFamily::V6 => typeof_expr(PAYLOAD, &[13, 9]),
+    };
+    let th_dport = typeof_expr(PAYLOAD, &[11, 2]);
+    let l4proto = typeof_expr(META, &[16]);
+    let numgen = |n: u32| typeof_expr(NUMGEN, &[1, n, 0]);
+    let key = match key {
+        KeyType::AddrProtoPortSlot(n) => typeof_concat(&[daddr.clone(), l4proto, th_dport.clone(), numgen(n)]),
+        KeyType::ProtoPortSlot(n) => typeof_concat(&[l4proto, th_dport.clone(), numgen(n)]),
+        _ => return None,
+    };
+    let data = typeof_concat(&[daddr, th_dport]);
+    let zero = 0u32.to_ne_bytes();
+    Some([udata(0, &zero), udata(1, &zero), udata(3, &key), udata(4, &data), udata(6, &zero)].concat())
+}
+
+const INTEGER: u32 = 4;
+const PROTO: u32 = 12;
+const SERVICE: u32 = 13;
+
+/// nft datatypes ipv4_addr (7) / ipv6_addr (8), and their length.
+fn addr_type(family: IpFamily) -> (u32, u32) {
+    match family {
         IpFamily::V4 => (7, 4),
         IpFamily::V6 => (8, 16),
-    };
+    }
+}
+
+fn key_type(key: KeyType, family: IpFamily) -> (u32, u32) {
+    // Concatenations shift 6 bits per field; each field takes a multiple of 4 bytes.
+    let (addr, len) = addr_type(family);
     match key {
         KeyType::Addr => (addr, len),
         KeyType::ProtoPort => ((PROTO << 6) | SERVICE, 8),
         KeyType::AddrProtoPort => ((((addr << 6) | PROTO) << 6) | SERVICE, len + 8),
         KeyType::AddrAddr => ((addr << 6) | addr, 2 * len),
+        KeyType::AddrProtoPortSlot(_) => ((((((addr << 6) | PROTO) << 6) | SERVICE) << 6) | INTEGER, len + 12),
+        KeyType::ProtoPortSlot(_) => ((((PROTO << 6) | SERVICE) << 6) | INTEGER, 12),
     }
 }
 
@@ -336,6 +401,11 @@ pub fn key_bytes(key: &Key) -> Vec<u8> {
         Key::ProtoPort(p, n) => [proto(*p), port(*n)].concat(),
         Key::AddrProtoPort(a, p, n) => [octets(a), proto(*p).to_vec(), port(*n).to_vec()].concat(),
         Key::AddrAddr(a, b) => [octets(a), octets(b)].concat(),
+        // numgen writes its value in host byte order.
+        Key::AddrProtoPortSlot(a, p, n, s) => {
+            [octets(a), proto(*p).to_vec(), port(*n).to_vec(), s.index.to_ne_bytes().to_vec()].concat()
+        }
+        Key::ProtoPortSlot(p, n, s) => [proto(*p), port(*n), s.index.to_ne_bytes()].concat(),
     }
 }
 
@@ -371,6 +441,15 @@ fn bitwise(len: u32, mask: &[u8], xor: &[u8]) -> (&'static str, Nla) {
 
 fn meta_load(dreg: u32, key: u32) -> (&'static str, Nla) {
     ("meta", Nla::default().u32(1, dreg).u32(2, key))
+}
+
+fn numgen(dreg: u32, modulus: u32) -> (&'static str, Nla) {
+    ("numgen", Nla::default().u32(1, dreg).u32(2, modulus).u32(3, 1 /* random */))
+}
+
+/// DNAT to the address in register 1 and the port in register `port_reg` (`dnat ip to … map`).
+fn dnat_from_registers(family: IpFamily, port_reg: u32) -> (&'static str, Nla) {
+    ("nat", Nla::default().u32(1, 1).u32(2, u32::from(nfproto(family))).u32(3, 1).u32(5, port_reg))
 }
 
 fn lookup(set: &str, dreg: Option<u32>) -> (&'static str, Nla) {
@@ -444,11 +523,34 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         Expr::SaddrDaddrInSet(s) => {
             vec![payload(1, 1, l.saddr, l.len), payload(reg(words), 1, l.daddr, l.len), lookup(s, None)]
         }
+        Expr::DaddrProtoPortInSet(s) => vec![
+            payload(1, 1, l.daddr, l.len),
+            meta_load(reg(words), META_L4PROTO),
+            payload(reg(words + 1), 2, 2, 2),
+            lookup(s, None),
+        ],
+        Expr::ProtoPortInSet(s) => vec![meta_load(1, META_L4PROTO), payload(9, 2, 2, 2), lookup(s, None)],
+        // The map's data is `daddr . dport`: the port lands in the word after the address.
+        Expr::DnatDaddrProtoPortSlot(n, m) => vec![
+            payload(1, 1, l.daddr, l.len),
+            meta_load(reg(words), META_L4PROTO),
+            payload(reg(words + 1), 2, 2, 2),
+            numgen(reg(words + 2), *n),
+            lookup(m, Some(1)),
+            dnat_from_registers(family, reg(words)),
+        ],
+        Expr::DnatProtoPortSlot(n, m) => vec![
+            meta_load(1, META_L4PROTO),
+            payload(9, 2, 2, 2),
+            numgen(10, *n),
+            lookup(m, Some(1)),
+            dnat_from_registers(family, reg(words)),
+        ],
         Expr::FibSaddrLocal | Expr::FibDaddrLocal => {
             let flags = if matches!(e, Expr::FibSaddrLocal) { 1 } else { 2 };
             vec![("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)), cmp(true, &2u32.to_ne_bytes())]
         }
-        Expr::NumgenZero(m) => vec![("numgen", Nla::default().u32(1, 1).u32(2, *m).u32(3, 1)), cmp(true, &[0; 4])],
+        Expr::NumgenZero(m) => vec![numgen(1, *m), cmp(true, &[0; 4])],
         Expr::L4Proto(p) => vec![meta_load(1, META_L4PROTO), cmp(true, &[p.number()])],
         Expr::MarkUnset(m) => vec![meta_load(1, META_MARK), bitwise(4, &m.to_ne_bytes(), &[0; 4]), cmp(true, &[0; 4])],
         Expr::SetMarkOr(m) | Expr::SetMarkXor(m) => {

@@ -89,6 +89,10 @@ pub enum Expr {
     SaddrInSet(String),
     /// `ip saddr . ip daddr @SET`.
     SaddrDaddrInSet(String),
+    /// `ip daddr . meta l4proto . th dport @SET`.
+    DaddrProtoPortInSet(String),
+    /// `meta l4proto . th dport @SET`.
+    ProtoPortInSet(String),
     /// `fib saddr type local`.
     FibSaddrLocal,
     /// `fib daddr type local`.
@@ -105,6 +109,11 @@ pub enum Expr {
     SetMarkXor(u32),
     /// `dnat to ADDR:PORT` (after an `L4Proto` match).
     Dnat(IpAddr, u16),
+    /// `dnat ip to ip daddr . meta l4proto . th dport . numgen random mod N map @MAP`: endpoint
+    /// slot `numgen` of the destination, from a map of destinations with N endpoints.
+    DnatDaddrProtoPortSlot(u32, String),
+    /// `dnat ip to meta l4proto . th dport . numgen random mod N map @MAP` (NodePorts).
+    DnatProtoPortSlot(u32, String),
     /// `masquerade fully-random`.
     Masquerade,
     /// `reject` (ICMP port unreachable).
@@ -142,6 +151,8 @@ impl Expr {
             Expr::DaddrInSet(s) => format!("{ip} daddr @{s}"),
             Expr::SaddrInSet(s) => format!("{ip} saddr @{s}"),
             Expr::SaddrDaddrInSet(s) => format!("{ip} saddr . {ip} daddr @{s}"),
+            Expr::DaddrProtoPortInSet(s) => format!("{ip} daddr . meta l4proto . th dport @{s}"),
+            Expr::ProtoPortInSet(s) => format!("meta l4proto . th dport @{s}"),
             Expr::FibSaddrLocal => "fib saddr type local".into(),
             Expr::FibDaddrLocal => "fib daddr type local".into(),
             Expr::NumgenZero(m) => format!("numgen random mod {m} 0"),
@@ -150,6 +161,10 @@ impl Expr {
             Expr::SetMarkOr(m) => format!("meta mark set meta mark | {}", mark_text(*m)),
             Expr::SetMarkXor(m) => format!("meta mark set meta mark ^ {}", mark_text(*m)),
             Expr::Dnat(a, p) => format!("dnat to {}", addr_port(a, *p)),
+            Expr::DnatDaddrProtoPortSlot(n, m) => {
+                format!("dnat {ip} to {ip} daddr . meta l4proto . th dport . numgen random mod {n} map @{m}")
+            }
+            Expr::DnatProtoPortSlot(n, m) => format!("dnat {ip} to meta l4proto . th dport . numgen random mod {n} map @{m}"),
             Expr::Masquerade => "masquerade fully-random".into(),
             Expr::Reject => "reject".into(),
             Expr::RejectTcpReset => "reject with tcp reset".into(),
@@ -263,21 +278,47 @@ pub enum KeyType {
     AddrProtoPort,
     /// `ipv4_addr . ipv4_addr`.
     AddrAddr,
+    /// An endpoint map of destinations with N endpoints:
+    /// `typeof ip daddr . meta l4proto . th dport . numgen random mod N : ip daddr . th dport`.
+    AddrProtoPortSlot(u32),
+    /// The same for NodePorts: `typeof meta l4proto . th dport . numgen random mod N : ip daddr . th dport`.
+    ProtoPortSlot(u32),
 }
 
 impl KeyType {
-    fn text(self, family: IpFamily) -> String {
-        let addr = match family {
-            IpFamily::V4 => "ipv4_addr",
-            IpFamily::V6 => "ipv6_addr",
+    /// The `type …` or `typeof …` line of a set or map definition in a table of `family`.
+    fn declaration(self, family: IpFamily, verdict_map: bool) -> String {
+        let verdict = if verdict_map { " : verdict" } else { "" };
+        let (addr, ip) = match family {
+            IpFamily::V4 => ("ipv4_addr", "ip"),
+            IpFamily::V6 => ("ipv6_addr", "ip6"),
         };
         match self {
-            KeyType::Addr => addr.into(),
-            KeyType::ProtoPort => "inet_proto . inet_service".into(),
-            KeyType::AddrProtoPort => format!("{addr} . inet_proto . inet_service"),
-            KeyType::AddrAddr => format!("{addr} . {addr}"),
+            KeyType::Addr => format!("type {addr}{verdict}"),
+            KeyType::ProtoPort => format!("type inet_proto . inet_service{verdict}"),
+            KeyType::AddrProtoPort => format!("type {addr} . inet_proto . inet_service{verdict}"),
+            KeyType::AddrAddr => format!("type {addr} . {addr}{verdict}"),
+            KeyType::AddrProtoPortSlot(n) => {
+                format!("typeof {ip} daddr . meta l4proto . th dport . numgen random mod {n} : {ip} daddr . th dport")
+            }
+            KeyType::ProtoPortSlot(n) => format!("typeof meta l4proto . th dport . numgen random mod {n} : {ip} daddr . th dport"),
         }
     }
+
+    /// Whether the set maps keys to DNAT targets.
+    pub fn is_endpoint_map(self) -> bool {
+        matches!(self, KeyType::AddrProtoPortSlot(_) | KeyType::ProtoPortSlot(_))
+    }
+}
+
+/// Endpoint slot `index` of a destination with `count` endpoints: the `numgen random mod count`
+/// value that selects it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Slot {
+    /// Slot number, `0..count`.
+    pub index: u32,
+    /// Endpoints of the destination (the numgen modulus, and the map it lives in).
+    pub count: u32,
 }
 
 /// An element key.
@@ -291,6 +332,10 @@ pub enum Key {
     AddrProtoPort(IpAddr, Protocol, u16),
     /// Two addresses.
     AddrAddr(IpAddr, IpAddr),
+    /// Address, protocol, port and endpoint slot.
+    AddrProtoPortSlot(IpAddr, Protocol, u16, Slot),
+    /// Protocol, port and endpoint slot (NodePorts).
+    ProtoPortSlot(Protocol, u16, Slot),
 }
 
 impl Key {
@@ -300,6 +345,16 @@ impl Key {
             Key::ProtoPort(p, n) => format!("{} . {n}", p.as_str()),
             Key::AddrProtoPort(a, p, n) => format!("{a} . {} . {n}", p.as_str()),
             Key::AddrAddr(a, b) => format!("{a} . {b}"),
+            Key::AddrProtoPortSlot(a, p, n, s) => format!("{a} . {} . {n} . {}", p.as_str(), s.index),
+            Key::ProtoPortSlot(p, n, s) => format!("{} . {n} . {}", p.as_str(), s.index),
+        }
+    }
+
+    /// The endpoint slot of keys of endpoint maps.
+    pub fn slot(&self) -> Option<Slot> {
+        match self {
+            Key::AddrProtoPortSlot(.., s) | Key::ProtoPortSlot(.., s) => Some(*s),
+            _ => None,
         }
     }
 }
@@ -326,6 +381,8 @@ pub struct Element {
     pub key: Key,
     /// Value, for verdict maps.
     pub verdict: Option<Verdict>,
+    /// Value, for endpoint maps: the DNAT target.
+    pub dnat: Option<(IpAddr, u16)>,
     /// Comment (`ns/svc:port`).
     pub comment: Option<String>,
 }
@@ -333,12 +390,8 @@ pub struct Element {
 impl SetDef {
     /// nft syntax of the definition in a table of `family`.
     pub fn text(&self, family: IpFamily) -> String {
-        let kind = if self.verdict_map { "map" } else { "set" };
-        let mut s = format!("\t{kind} {} {{\n\t\ttype {}", self.name, self.key.text(family));
-        if self.verdict_map {
-            s.push_str(" : verdict");
-        }
-        s.push('\n');
+        let kind = if self.verdict_map || self.key.is_endpoint_map() { "map" } else { "set" };
+        let mut s = format!("\t{kind} {} {{\n\t\t{}\n", self.name, self.key.declaration(family, self.verdict_map));
         if let Some(t) = self.timeout_seconds {
             let _ = write!(s, "\t\tflags dynamic,timeout\n\t\ttimeout {t}s\n");
         }
@@ -351,7 +404,7 @@ impl SetDef {
 }
 
 impl Element {
-    /// nft syntax (`KEY [comment "C"] [: VERDICT]`).
+    /// nft syntax (`KEY [comment "C"] [: VERDICT | : ADDR . PORT]`).
     pub fn text(&self) -> String {
         let mut s = self.key.text();
         if let Some(c) = &self.comment {
@@ -359,6 +412,9 @@ impl Element {
         }
         if let Some(v) = &self.verdict {
             let _ = write!(s, " : {}", v.text());
+        }
+        if let Some((a, p)) = &self.dnat {
+            let _ = write!(s, " : {a} . {p}");
         }
         s
     }

@@ -4,8 +4,10 @@
 //! Full syncs rewrite every chain and reload every map (one transaction); partial syncs rewrite
 //! only the chains of changed services and add or delete only the map elements that changed,
 //! tracked with reference counts because several service ports may contribute the same element
-//! (e.g. a hairpin pair). Chains and affinity sets that are no longer rendered are flushed in the
-//! main transaction and deleted in a follow-up one (kernels before 6.2 release a chain's
+//! (e.g. a hairpin pair). Most services have no chains at all (see [`render`]): their partial
+//! syncs are element changes only, plus a new endpoint map and its DNAT rule the first time a
+//! service has a given endpoint count. Chains and sets that are no longer rendered are flushed in
+//! the main transaction and deleted in a follow-up one (kernels before 6.2 release a chain's
 //! references to map elements only after the transaction; kube-proxy found the same).
 
 pub mod encode;
@@ -16,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use encode::{Batch, Msg};
 use ir::{Element, Key};
-use render::Fragment;
+use render::{EndpointMaps, Fragment};
 use switchyard_crds::v1alpha1::ProxyMode;
 
 use super::{Backend, BackendError, Settings, SyncStats};
@@ -42,6 +44,10 @@ struct Table {
     fragments: BTreeMap<ServicePortName, Fragment>,
     /// Elements in the kernel per (set, key), with how many fragments want them.
     elements: HashMap<(&'static str, Key), (Element, usize)>,
+    /// Endpoint maps in the kernel, with how many fragments fill them.
+    endpoint_maps: EndpointMaps,
+    /// Our nf_tables socket for this table.
+    session: sys::nft::Session,
     /// Chains and sets deleted at the start of the next sync.
     stale_chains: BTreeSet<String>,
     stale_sets: BTreeSet<String>,
@@ -89,6 +95,8 @@ impl Table {
             family,
             fragments: BTreeMap::new(),
             elements: HashMap::new(),
+            endpoint_maps: EndpointMaps::new(),
+            session: sys::nft::Session::default(),
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
             programmed: false,
@@ -99,6 +107,7 @@ impl Table {
     fn forget(&mut self) {
         self.fragments.clear();
         self.elements.clear();
+        self.endpoint_maps.clear();
     }
 
     fn render_fragments(
@@ -127,7 +136,7 @@ impl Table {
         for s in &self.stale_sets {
             batch.delete_set(s);
         }
-        match sys::nft::apply(batch)? {
+        match self.session.apply(batch)? {
             Ok(()) => {
                 self.stale_chains.clear();
                 self.stale_sets.clear();
@@ -141,8 +150,13 @@ impl Table {
     }
 
     fn full_sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot) -> Result<SyncStats, BackendError> {
-        let base = base(settings, self.family, bypassed);
+        let mut base = base(settings, self.family, bypassed);
         let fragments = Self::render_fragments(settings, snapshot, None);
+        let mut endpoint_maps = EndpointMaps::new();
+        for m in fragments.values().flat_map(render::endpoint_maps) {
+            *endpoint_maps.entry(m).or_default() += 1;
+        }
+        render::add_dispatch(&mut base, &endpoint_maps);
         let existing_chains: BTreeSet<String> = sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
         let existing_sets: BTreeSet<String> = sys::nft::list(self.family, Msg::GetSet)?.into_iter().collect();
 
@@ -182,9 +196,9 @@ impl Table {
         for (set, e) in fragments.values().flat_map(|f| f.elements.iter()) {
             elements.entry((*set, e.key.clone())).and_modify(|(_, n)| *n += 1).or_insert_with(|| (e.clone(), 1));
         }
-        let mut by_set: BTreeMap<&'static str, Vec<&Element>> = BTreeMap::new();
-        for ((set, _), (e, _)) in &elements {
-            by_set.entry(set).or_default().push(e);
+        let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<&Element>> = BTreeMap::new();
+        for ((set, key), (e, _)) in &elements {
+            by_set.entry(render::element_set(set, key)).or_default().push(e);
         }
         for (set, list) in &mut by_set {
             list.sort();
@@ -195,7 +209,7 @@ impl Table {
             batch.flush_chain(c);
         }
         let messages = batch.len() as usize;
-        sys::nft::apply(batch)?.map_err(kernel)?;
+        self.session.apply(batch)?.map_err(kernel)?;
         self.stale_chains = stale_chains;
         self.stale_sets = existing_sets.difference(&desired_sets).cloned().collect();
         let stats = SyncStats {
@@ -209,9 +223,48 @@ impl Table {
         };
         self.fragments = fragments;
         self.elements = elements;
+        self.endpoint_maps = endpoint_maps;
         self.programmed = true;
         self.delete_stale()?;
         Ok(stats)
+    }
+
+    /// Creates the endpoint maps a change starts using and rewrites the DNAT chains reading them;
+    /// returns the maps it stops using, to delete once their rules are gone.
+    fn update_endpoint_maps<'a>(
+        &mut self,
+        batch: &mut Batch,
+        removed: &[Fragment],
+        added: impl Iterator<Item = &'a Fragment>,
+    ) -> Vec<String> {
+        let before: BTreeSet<(&'static str, u32)> = self.endpoint_maps.keys().copied().collect();
+        for m in removed.iter().flat_map(render::endpoint_maps) {
+            if let Some(n) = self.endpoint_maps.get_mut(&m) {
+                *n -= 1;
+                if *n == 0 {
+                    self.endpoint_maps.remove(&m);
+                }
+            }
+        }
+        for m in added.flat_map(render::endpoint_maps) {
+            *self.endpoint_maps.entry(m).or_default() += 1;
+        }
+        let after: BTreeSet<(&'static str, u32)> = self.endpoint_maps.keys().copied().collect();
+        for (kind, n) in after.difference(&before) {
+            let map = render::endpoint_map(kind, *n);
+            self.stale_sets.remove(&map.name);
+            batch.add_set(&map);
+        }
+        for kind in [render::sets::IP_ENDPOINTS, render::sets::NODEPORT_ENDPOINTS] {
+            if before.symmetric_difference(&after).any(|(k, _)| *k == kind) {
+                let chain = render::dnat_chain(kind);
+                batch.flush_chain(chain);
+                for rule in render::dnat_rules(kind, after.iter().filter(|(k, _)| *k == kind).map(|(_, n)| *n)) {
+                    batch.add_rule(chain, &rule);
+                }
+            }
+        }
+        before.difference(&after).map(|(kind, n)| render::endpoint_map_name(kind, *n)).collect()
     }
 
     fn partial_sync(&mut self, settings: &Settings, snapshot: &Snapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
@@ -242,6 +295,7 @@ impl Table {
                 batch.add_set(set);
             }
         }
+        let stale_maps = self.update_endpoint_maps(&mut batch, &removed, added.values());
         for chain in added.values().flat_map(|f| f.chains.iter()) {
             for rule in &chain.rules {
                 batch.add_rule(&chain.name, rule);
@@ -280,25 +334,26 @@ impl Table {
             }
         }
         let group = |list: &[(&'static str, Element)]| {
-            let mut by_set: BTreeMap<&'static str, Vec<Element>> = BTreeMap::new();
+            let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<Element>> = BTreeMap::new();
             for (s, e) in list {
-                by_set.entry(s).or_default().push(e.clone());
+                by_set.entry(render::element_set(s, &e.key)).or_default().push(e.clone());
             }
             by_set
         };
         for (set, list) in group(&deletes) {
-            batch.elements(set, &list.iter().collect::<Vec<_>>(), false);
+            batch.elements(&set, &list.iter().collect::<Vec<_>>(), false);
         }
         for (set, list) in group(&adds) {
-            batch.elements(set, &list.iter().collect::<Vec<_>>(), true);
+            batch.elements(&set, &list.iter().collect::<Vec<_>>(), true);
         }
         let stale: Vec<String> = old_chains.difference(&new_chains).map(|s| (*s).to_owned()).collect();
         for c in &stale {
             batch.flush_chain(c);
         }
-        let stale_sets: Vec<String> = old_sets.difference(&new_sets).map(|s| (*s).to_owned()).collect();
+        let mut stale_sets: Vec<String> = old_sets.difference(&new_sets).map(|s| (*s).to_owned()).collect();
+        stale_sets.extend(stale_maps);
         let messages = batch.len() as usize;
-        let result = sys::nft::apply(batch)?.map_err(kernel);
+        let result = self.session.apply(batch)?.map_err(kernel);
         let stats = SyncStats {
             full: false,
             services: added.len(),
@@ -338,10 +393,10 @@ impl Table {
         }
         let mut batch = Batch::new(self.family);
         batch.delete_table();
-        sys::nft::apply(batch)?.map_err(kernel)
+        self.session.apply(batch)?.map_err(kernel)
     }
 
-    fn set_bypass(&self, settings: &Settings, bypassed: bool) -> Result<(), BackendError> {
+    fn set_bypass(&mut self, settings: &Settings, bypassed: bool) -> Result<(), BackendError> {
         if !self.programmed {
             return Ok(()); // the next full sync programs the base chains accordingly
         }
@@ -352,7 +407,7 @@ impl Table {
                 batch.add_rule(&chain.name, rule);
             }
         }
-        sys::nft::apply(batch)?.map_err(kernel)
+        self.session.apply(batch)?.map_err(kernel)
     }
 
     fn verify(&self, settings: &Settings, bypassed: bool) -> Result<Vec<String>, BackendError> {
@@ -427,7 +482,7 @@ impl Backend for NftablesBackend {
             return Ok(());
         }
         self.bypassed = bypassed;
-        for table in &self.tables {
+        for table in &mut self.tables {
             table.set_bypass(&self.settings, bypassed)?;
         }
         Ok(())
