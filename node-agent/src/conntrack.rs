@@ -1,15 +1,21 @@
-//! Stale UDP flows after a sync (kube-proxy's conntrack cleanup, sans IO).
+//! Stale UDP flows (kube-proxy's conntrack cleanup, sans IO).
 //!
 //! UDP has no connection to close: a client that keeps sending from one socket keeps its
-//! conntrack entry, and with it the DNAT to the endpoint chosen first, even after that endpoint
-//! left the Service. So after each sync the agent deletes the conntrack entries that point at
-//! endpoints a changed Service no longer uses, and the entries to destinations that gained their
-//! first endpoint (created while packets were rejected, they carry no DNAT). This module decides
-//! which flows those are; [`crate::sys::conntrack`] finds and deletes them.
+//! conntrack entry, and with it the DNAT to the endpoint chosen first (or no DNAT at all, if the
+//! flow started before the Service had endpoints), for as long as it sends. So after a sync that
+//! changed UDP Services, and after the agent's first sync, every UDP entry to a service
+//! destination that has endpoints must be DNATed to one of them, and no entry may remain to a
+//! destination that went away; the others are deleted, and the client's next datagram takes the
+//! current rules. Entries are judged against the programmed snapshot itself (not against a diff
+//! of endpoints), so the cleanup is right after a restart and when only a target port changed.
+//! This module decides; [`crate::sys::conntrack`] dumps and deletes.
 
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
-use crate::model::{Changes, DualSnapshot, NodeInfo, Protocol, ServicePort, Snapshot, categorize};
+use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot, categorize};
 
 /// One conntrack entry, as far as the cleanup looks at it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,91 +28,140 @@ pub struct Flow {
     pub orig_dport: u16,
     /// Reply source (the endpoint, after DNAT; the original destination without DNAT).
     pub reply_src: IpAddr,
+    /// Reply source port (the endpoint's port).
+    pub reply_sport: u16,
 }
 
-/// The UDP flows to delete after one sync.
+/// An endpoint a flow may be DNATed to.
+type Target = (IpAddr, u16);
+
+/// The UDP destinations of one family's Services that have endpoints, with the endpoints each
+/// may be DNATed to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StaleFlows {
-    /// Service destinations (address, port) that gained their first endpoint: every flow to them.
-    pub destinations: BTreeSet<(IpAddr, u16)>,
-    /// Node ports that gained their first endpoint.
-    pub node_ports: BTreeSet<u16>,
-    /// (service address, port, endpoint address): flows DNATed to an endpoint no longer used.
-    pub endpoints: BTreeSet<(IpAddr, u16, IpAddr)>,
-    /// (node port, endpoint address): NodePort flows DNATed to an endpoint no longer used.
-    pub node_port_endpoints: BTreeSet<(u16, IpAddr)>,
+pub struct UdpDestinations {
+    /// Service address and port (ClusterIP, external and load-balancer IPs).
+    pub services: BTreeMap<(IpAddr, u16), BTreeSet<Target>>,
+    /// NodePorts, on the node's addresses.
+    pub node_ports: BTreeMap<u16, BTreeSet<Target>>,
+    /// The node addresses NodePorts are matched on.
+    pub node_addresses: BTreeSet<IpAddr>,
 }
 
-impl StaleFlows {
-    /// Whether nothing is stale (then the kernel need not be read at all).
-    pub fn is_empty(&self) -> bool {
-        self.destinations.is_empty()
-            && self.node_ports.is_empty()
-            && self.endpoints.is_empty()
-            && self.node_port_endpoints.is_empty()
+impl UdpDestinations {
+    /// The UDP destinations of `snapshot` as this node DNATs them.
+    pub fn of(snapshot: &Snapshot, node: &NodeInfo) -> Self {
+        let mut d = UdpDestinations {
+            node_addresses: node.addresses.iter().copied().filter(|a| snapshot.family.holds(a)).collect(),
+            ..Default::default()
+        };
+        for port in snapshot.services.values().filter(|p| p.name.protocol == Protocol::Udp) {
+            let (internal, external) = targets(port, snapshot, node);
+            if !internal.is_empty() {
+                d.services.insert((port.cluster_ip, port.port), internal);
+            }
+            if external.is_empty() {
+                continue;
+            }
+            for ip in port.external_ips.iter().chain(port.load_balancer_ips.iter()) {
+                d.services.insert((*ip, port.port), external.clone());
+            }
+            if let Some(np) = port.node_port {
+                d.node_ports.insert(np, external.clone());
+            }
+        }
+        d
     }
 
-    /// How many rules decide staleness (for logs).
-    pub fn len(&self) -> usize {
-        self.destinations.len() + self.node_ports.len() + self.endpoints.len() + self.node_port_endpoints.len()
-    }
-
-    /// Whether `flow` must be deleted.
-    pub fn matches(&self, flow: &Flow) -> bool {
+    /// Whether `flow` is a UDP flow to one of these destinations that is not DNATed to one of its
+    /// endpoints. Flows to destinations without endpoints are left alone (they are rejected).
+    pub fn is_stale(&self, flow: &Flow) -> bool {
         if flow.protocol != Protocol::Udp.number() {
             return false;
         }
-        let (dst, port, ep) = (flow.orig_dst, flow.orig_dport, flow.reply_src);
-        self.destinations.contains(&(dst, port))
-            || self.node_ports.contains(&port)
-            || self.endpoints.contains(&(dst, port, ep))
-            || self.node_port_endpoints.contains(&(port, ep))
-    }
-}
-
-/// The endpoint addresses a service port DNATs to (cluster and local, as the backends use them).
-fn used(port: &ServicePort, snapshot: &Snapshot, node: &NodeInfo) -> BTreeSet<IpAddr> {
-    let eps = snapshot.endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
-    let c = categorize(eps, node);
-    c.cluster.iter().chain(c.local.iter()).map(|e| e.ip).collect()
-}
-
-/// Service addresses of a port: ClusterIP, external IPs, load-balancer IPs.
-fn destinations(port: &ServicePort) -> impl Iterator<Item = IpAddr> + '_ {
-    std::iter::once(port.cluster_ip).chain(port.external_ips.iter().copied()).chain(port.load_balancer_ips.iter().copied())
-}
-
-/// The stale UDP flows when going from `old` to `new` (only the Services in `changes` can differ).
-pub fn stale_flows(old: &DualSnapshot, new: &DualSnapshot, changes: &Changes, node: &NodeInfo) -> StaleFlows {
-    let mut stale = StaleFlows::default();
-    for (old, new) in old.families().into_iter().zip(new.families()) {
-        for service in &changes.services {
-            let ports = |s: &'_ Snapshot| -> Vec<ServicePort> {
-                s.services.values().filter(|p| &p.name.service == service && p.name.protocol == Protocol::Udp).cloned().collect()
-            };
-            let (old_ports, new_ports) = (ports(old), ports(new));
-            for port in &old_ports {
-                let before = used(port, old, node);
-                let after = new_ports.iter().find(|p| p.name == port.name).map(|p| used(p, new, node)).unwrap_or_default();
-                for ep in before.difference(&after) {
-                    for dst in destinations(port) {
-                        stale.endpoints.insert((dst, port.port, *ep));
-                    }
-                    if let Some(np) = port.node_port {
-                        stale.node_port_endpoints.insert((np, *ep));
-                    }
-                }
-            }
-            for port in &new_ports {
-                let before = old_ports.iter().find(|p| p.name == port.name).map(|p| used(p, old, node)).unwrap_or_default();
-                if before.is_empty() && !used(port, new, node).is_empty() {
-                    stale.destinations.extend(destinations(port).map(|d| (d, port.port)));
-                    stale.node_ports.extend(port.node_port);
-                }
-            }
+        let target = (flow.reply_src, flow.reply_sport);
+        if let Some(eps) = self.services.get(&(flow.orig_dst, flow.orig_dport)) {
+            return !eps.contains(&target);
+        }
+        match self.node_ports.get(&flow.orig_dport) {
+            Some(eps) if self.node_addresses.contains(&flow.orig_dst) => !eps.contains(&target),
+            _ => false,
         }
     }
-    stale
+
+    /// Whether there is nothing to check (then the kernel need not be read at all).
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty() && self.node_ports.is_empty()
+    }
+}
+
+/// The endpoints a port DNATs internal (ClusterIP) and external traffic to, as the backends do.
+fn targets(port: &ServicePort, snapshot: &Snapshot, node: &NodeInfo) -> (BTreeSet<Target>, BTreeSet<Target>) {
+    let eps = snapshot.endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
+    let c = categorize(eps, node);
+    let set = |list: &[&crate::model::Endpoint]| list.iter().map(|e| (e.ip, e.port)).collect::<BTreeSet<_>>();
+    let internal = if port.internal_policy_local { set(&c.local) } else { set(&c.cluster) };
+    let external = if port.external_policy_local { set(&c.local) } else { set(&c.cluster) };
+    (internal, external)
+}
+
+/// What a cleanup after one sync deletes: flows to current destinations that are not DNATed to
+/// a current endpoint, and flows to destinations that went away.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cleanup {
+    /// The programmed UDP destinations.
+    pub current: UdpDestinations,
+    /// Service destinations of changed Services that no longer exist (or have no endpoints left).
+    pub gone_services: BTreeSet<(IpAddr, u16)>,
+    /// NodePorts of changed Services that no longer exist (or have no endpoints left).
+    pub gone_node_ports: BTreeSet<u16>,
+}
+
+impl Cleanup {
+    /// Whether `flow` must be deleted.
+    pub fn is_stale(&self, flow: &Flow) -> bool {
+        if flow.protocol != Protocol::Udp.number() {
+            return false;
+        }
+        self.current.is_stale(flow)
+            || self.gone_services.contains(&(flow.orig_dst, flow.orig_dport))
+            || (self.gone_node_ports.contains(&flow.orig_dport) && self.current.node_addresses.contains(&flow.orig_dst))
+    }
+
+    /// Whether it can delete nothing.
+    pub fn is_empty(&self) -> bool {
+        self.current.is_empty() && self.gone_services.is_empty() && self.gone_node_ports.is_empty()
+    }
+
+    /// Merges a cleanup that could not run into this newer one: its destinations that are still
+    /// gone stay gone; what it knew of current destinations is replaced by this one's.
+    pub fn merge(&mut self, older: Cleanup) {
+        self.gone_services.extend(older.gone_services.into_iter().filter(|d| !self.current.services.contains_key(d)));
+        self.gone_node_ports.extend(older.gone_node_ports.into_iter().filter(|p| !self.current.node_ports.contains_key(p)));
+    }
+}
+
+/// The cleanup a sync from `old` to `new` needs, if any: when a UDP port of a changed Service
+/// gained or lost a destination or an endpoint. `None` for `old` (the agent's first sync) checks
+/// every UDP destination.
+pub fn cleanup_after(old: Option<&Snapshot>, new: &Snapshot, changes: &Changes, node: &NodeInfo) -> Option<Cleanup> {
+    let current = UdpDestinations::of(new, node);
+    let Some(old) = old else {
+        return (!current.is_empty()).then(|| Cleanup { current, ..Default::default() });
+    };
+    let udp = |s: &Snapshot, service| -> Vec<(ServicePort, (BTreeSet<Target>, BTreeSet<Target>))> {
+        s.services
+            .values()
+            .filter(|p| &p.name.service == service && p.name.protocol == Protocol::Udp)
+            .map(|p| (p.clone(), targets(p, s, node)))
+            .collect()
+    };
+    if !changes.services.iter().any(|service| udp(old, service) != udp(new, service)) {
+        return None;
+    }
+    let before = UdpDestinations::of(old, node);
+    let gone_services = before.services.keys().filter(|k| !current.services.contains_key(*k)).copied().collect();
+    let gone_node_ports = before.node_ports.keys().filter(|k| !current.node_ports.contains_key(*k)).copied().collect();
+    Some(Cleanup { current, gone_services, gone_node_ports })
 }
 
 #[cfg(test)]
@@ -116,84 +171,71 @@ mod tests {
     use super::*;
     use crate::model::{ServiceName, fixtures};
 
-    fn ip(last: u8) -> IpAddr {
-        Ipv4Addr::new(10, 244, 1, last).into()
+    fn ip(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
+        Ipv4Addr::new(a, b, c, d).into()
     }
 
-    fn snapshot(endpoints: &[u8], node_port: Option<u16>, protocol: Protocol) -> DualSnapshot {
+    fn snapshot(endpoints: &[(u8, u16)], protocol: Protocol) -> Snapshot {
         let mut s = Snapshot::default();
-        let mut port = fixtures::cluster_ip(fixtures::port_name("ns", "dns", "", protocol), Ipv4Addr::new(10, 96, 0, 10), 53);
-        port.node_port = node_port;
-        port.external_ips = vec![Ipv4Addr::new(192, 0, 2, 1).into()];
-        fixtures::add(&mut s, port, endpoints.iter().map(|n| fixtures::ready(ip(*n), 5353, "n2")).collect());
-        DualSnapshot::from(s)
+        let mut port = fixtures::cluster_ip(fixtures::port_name("ns", "dns", "", protocol), ip(10, 96, 0, 10), 53);
+        port.node_port = Some(30053);
+        port.external_ips = vec![ip(192, 0, 2, 1)];
+        fixtures::add(&mut s, port, endpoints.iter().map(|(n, p)| fixtures::ready(ip(10, 244, 1, *n), *p, "n2")).collect());
+        s
     }
 
-    fn changed() -> Changes {
-        Changes { services: [ServiceName { namespace: "ns".into(), name: "dns".into() }].into() }
+    fn node() -> NodeInfo {
+        NodeInfo { name: "n1".into(), addresses: vec![ip(10, 250, 0, 11)], zone: None }
+    }
+
+    fn flow(dst: IpAddr, dport: u16, src: IpAddr, sport: u16) -> Flow {
+        Flow { protocol: 17, orig_dst: dst, orig_dport: dport, reply_src: src, reply_sport: sport }
     }
 
     #[test]
-    fn removed_endpoints_and_first_endpoints_make_flows_stale() {
-        let node = NodeInfo { name: "n1".into(), ..Default::default() };
-        let cip: IpAddr = Ipv4Addr::new(10, 96, 0, 10).into();
-        let ext: IpAddr = Ipv4Addr::new(192, 0, 2, 1).into();
-        let (a, b) = (snapshot(&[11, 12], Some(30053), Protocol::Udp), snapshot(&[12], Some(30053), Protocol::Udp));
-        let none = snapshot(&[], Some(30053), Protocol::Udp);
-        let deleted = DualSnapshot::default();
-        let cases: Vec<(&str, &DualSnapshot, &DualSnapshot, StaleFlows)> = vec![
-            ("unchanged", &a, &a, StaleFlows::default()),
-            (
-                "endpoint removed",
-                &a,
-                &b,
-                StaleFlows {
-                    endpoints: [(cip, 53, ip(11)), (ext, 53, ip(11))].into(),
-                    node_port_endpoints: [(30053, ip(11))].into(),
-                    ..Default::default()
-                },
-            ),
-            ("endpoint added", &b, &a, StaleFlows::default()),
-            (
-                "first endpoint",
-                &none,
-                &b,
-                StaleFlows { destinations: [(cip, 53), (ext, 53)].into(), node_ports: [30053].into(), ..Default::default() },
-            ),
-            (
-                "service deleted",
-                &b,
-                &deleted,
-                StaleFlows {
-                    endpoints: [(cip, 53, ip(12)), (ext, 53, ip(12))].into(),
-                    node_port_endpoints: [(30053, ip(12))].into(),
-                    ..Default::default()
-                },
-            ),
+    fn flows_not_dnated_to_a_current_endpoint_are_stale() {
+        let d = UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Udp), &node());
+        let (cip, ext, node_ip) = (ip(10, 96, 0, 10), ip(192, 0, 2, 1), ip(10, 250, 0, 11));
+        let cases = [
+            ("to the current endpoint", flow(cip, 53, ip(10, 244, 1, 12), 5353), false),
+            ("to a removed endpoint", flow(cip, 53, ip(10, 244, 1, 11), 5353), true),
+            ("to the endpoint's old target port", flow(cip, 53, ip(10, 244, 1, 12), 5354), true),
+            ("never DNATed (started before the endpoints)", flow(cip, 53, cip, 53), true),
+            ("external IP, removed endpoint", flow(ext, 53, ip(10, 244, 1, 11), 5353), true),
+            ("NodePort on a node address, removed endpoint", flow(node_ip, 30053, ip(10, 244, 1, 11), 5353), true),
+            ("NodePort number on another address: not ours", flow(ip(198, 51, 100, 7), 30053, ip(198, 51, 100, 7), 30053), false),
+            ("another port of the ClusterIP", flow(cip, 54, cip, 54), false),
         ];
-        for (what, old, new, want) in cases {
-            assert_eq!(stale_flows(old, new, &changed(), &node), want, "{what}");
+        for (what, f, stale) in cases {
+            assert_eq!(d.is_stale(&f), stale, "{what}");
         }
-        // TCP Services are left to TCP (a closed endpoint resets its connections).
-        let tcp = stale_flows(&snapshot(&[11], None, Protocol::Tcp), &snapshot(&[], None, Protocol::Tcp), &changed(), &node);
-        assert!(tcp.is_empty());
-        // Services outside `changes` are not looked at.
-        assert!(stale_flows(&a, &b, &Changes::default(), &node).is_empty());
+        assert!(!d.is_stale(&Flow { protocol: 6, ..flow(cip, 53, cip, 53) }), "TCP is left to TCP");
+        // Without endpoints nothing is checked: the flows are rejected, not DNATed.
+        assert!(UdpDestinations::of(&snapshot(&[], Protocol::Udp), &node()).is_empty());
+        assert!(UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Tcp), &node()).is_empty());
     }
 
     #[test]
-    fn matching_looks_at_udp_destination_and_reply_source() {
-        let cip: IpAddr = Ipv4Addr::new(10, 96, 0, 10).into();
-        let stale = StaleFlows {
-            endpoints: [(cip, 53, ip(11))].into(),
-            node_port_endpoints: [(30053, ip(11))].into(),
-            ..Default::default()
-        };
-        let flow = |protocol, dst, dport, src| Flow { protocol, orig_dst: dst, orig_dport: dport, reply_src: src };
-        assert!(stale.matches(&flow(17, cip, 53, ip(11))));
-        assert!(!stale.matches(&flow(17, cip, 53, ip(12))), "another endpoint");
-        assert!(!stale.matches(&flow(6, cip, 53, ip(11))), "TCP");
-        assert!(stale.matches(&flow(17, Ipv4Addr::new(10, 250, 0, 11).into(), 30053, ip(11))), "NodePort on any address");
-        assert!(!stale.matches(&flow(17, cip, 54, ip(11))), "another port");
+    fn cleanup_runs_when_a_udp_destination_or_endpoint_changed() {
+        let changed = Changes { services: [ServiceName { namespace: "ns".into(), name: "dns".into() }].into() };
+        let (a, b, moved) =
+            (snapshot(&[(11, 5353), (12, 5353)], Protocol::Udp), snapshot(&[(12, 5353)], Protocol::Udp), snapshot(&[(12, 5354)], Protocol::Udp));
+        let n = node();
+        let needed = |old: Option<&Snapshot>, new: &Snapshot, changes: &Changes| cleanup_after(old, new, changes, &n).is_some();
+        assert!(!needed(Some(&a), &a, &changed), "unchanged");
+        assert!(needed(Some(&a), &b, &changed), "endpoint removed");
+        assert!(needed(Some(&b), &a, &changed), "endpoint added");
+        assert!(needed(Some(&b), &moved, &changed), "target port changed");
+        assert!(!needed(Some(&a), &b, &Changes::default()), "services outside the changes");
+        assert!(needed(None, &b, &Changes::default()), "the first sync checks everything");
+        assert!(!needed(None, &snapshot(&[(12, 5353)], Protocol::Tcp), &Changes::default()), "nothing UDP");
+
+        // A deleted Service: flows to its destinations go, wherever they were DNATed to.
+        let deleted = cleanup_after(Some(&b), &Snapshot::default(), &changed, &n).expect("cleanup");
+        let (cip, node_ip, ep) = (ip(10, 96, 0, 10), ip(10, 250, 0, 11), ip(10, 244, 1, 12));
+        assert!(deleted.is_stale(&flow(cip, 53, ep, 5353)));
+        assert!(deleted.is_stale(&flow(ip(192, 0, 2, 1), 53, ep, 5353)));
+        assert!(deleted.is_stale(&flow(node_ip, 30053, ep, 5353)));
+        assert!(!deleted.is_stale(&flow(cip, 54, ep, 5353)));
     }
 }

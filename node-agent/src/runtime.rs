@@ -428,8 +428,10 @@ fn status(
 async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Result<()> {
     let mut driver: Option<Driver> = None;
     let mut need_full = true;
-    // What the last successful sync programmed: stale UDP flows are found against it.
+    // What the last successful sync programmed (stale UDP flows are found against it), and the
+    // conntrack cleanups that could not run yet.
     let mut programmed: Option<DualSnapshot> = None;
+    let mut unfinished_cleanups: std::collections::BTreeMap<crate::model::IpFamily, crate::conntrack::Cleanup> = Default::default();
     let mut last_sync = Instant::now() - config.min_sync_period;
     let mut last_full = Instant::now();
     let mut last_report: Option<Instant> = None;
@@ -476,42 +478,64 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         let full = need_full;
         let Some(mut owned) = driver.take() else { continue };
         let snap = snapshot.clone();
-        // Known before the sync, applied after it (so no entry is recreated by the old rules).
-        // A full sync may follow a failed one whose changes are gone: compare every Service then.
-        let stale = programmed.as_ref().map(|old| {
-            let all;
-            let compared = if full {
-                all = crate::model::Changes {
-                    services: [old, &snapshot]
-                        .into_iter()
-                        .flat_map(|d| d.families())
-                        .flat_map(|s| s.services.keys().map(|k| k.service.clone()))
-                        .collect(),
-                };
-                &all
-            } else {
-                &changes
-            };
-            crate::conntrack::stale_flows(old, &snapshot, compared, &settings.node)
-        });
-        let (result, owned) = tokio::task::spawn_blocking(move || {
+        // Decided before the sync, applied after it (so no entry is recreated by the old rules). A
+        // full sync may follow a failed one whose changes are gone: compare every Service then.
+        let compared = if full {
+            crate::model::Changes {
+                services: programmed
+                    .iter()
+                    .chain(std::iter::once(&snapshot))
+                    .flat_map(|d| d.families())
+                    .flat_map(|s| s.services.keys().map(|k| k.service.clone()))
+                    .collect(),
+            }
+        } else {
+            changes.clone()
+        };
+        let mut cleanups: Vec<(crate::model::IpFamily, crate::conntrack::Cleanup)> = Vec::new();
+        for family in crate::model::IpFamily::ALL {
+            let old = programmed.as_ref().map(|p| p.get(family));
+            let planned = crate::conntrack::cleanup_after(old, snapshot.get(family), &compared, &settings.node);
+            let carried = unfinished_cleanups.remove(&family);
+            match (planned, carried) {
+                (planned, Some(carried)) => {
+                    // Judged against what is programmed now, not when it was planned.
+                    let mut c = planned.unwrap_or_else(|| crate::conntrack::Cleanup {
+                        current: crate::conntrack::UdpDestinations::of(snapshot.get(family), &settings.node),
+                        ..Default::default()
+                    });
+                    c.merge(carried);
+                    cleanups.push((family, c));
+                }
+                (Some(c), None) => cleanups.push((family, c)),
+                (None, None) => {}
+            }
+        }
+        let (result, owned, unfinished) = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let r = owned.sync(&snap, &changes, full);
-            if r.is_ok()
-                && let Some(stale) = stale.filter(|s| !s.is_empty())
-            {
-                for family in crate::model::IpFamily::ALL {
-                    match crate::sys::conntrack::delete_stale(family, &stale) {
-                        Ok(deleted) => tracing::info!(%family, rules = stale.len(), deleted, "deleted stale UDP conntrack entries"),
-                        Err(e) => tracing::warn!(%family, error = %e, "deleting stale UDP conntrack entries failed"),
+            let took = started.elapsed();
+            let mut unfinished = Vec::new();
+            if r.is_ok() {
+                for (family, cleanup) in cleanups {
+                    match crate::sys::conntrack::delete_stale(family, &cleanup) {
+                        Ok(0) => {}
+                        Ok(deleted) => tracing::info!(%family, deleted, "deleted stale UDP conntrack entries"),
+                        Err(e) => {
+                            tracing::warn!(%family, error = %e, "deleting stale UDP conntrack entries failed; retrying after the next sync");
+                            unfinished.push((family, cleanup));
+                        }
                     }
                 }
+            } else {
+                unfinished = cleanups;
             }
-            (r.map(|s| (s, started.elapsed())), owned)
+            (r.map(|s| (s, took)), owned, unfinished)
         })
         .await
         .map_err(|e| Error::Config(format!("sync task: {e}")))?;
         driver = Some(owned);
+        unfinished_cleanups.extend(unfinished);
         let mode_label = ModeLabel { mode: driver.as_ref().map(|d| d.state.active.to_string()).unwrap_or_default() };
         match result {
             Ok((stats, took)) => {

@@ -65,9 +65,9 @@ pub fn removal_input(table: &str, save: &str) -> String {
 /// errors of the steps that failed (each step is independent).
 pub fn takeover() -> (Vec<String>, Vec<String>) {
     let (mut removed, mut errors) = (Vec::new(), Vec::new());
-    for family in [sys::nft::NFPROTO_IPV4_FAMILY, sys::nft::NFPROTO_IPV6_FAMILY] {
-        match sys::nft::delete_table_if_present(family, "kube-proxy") {
-            Ok(true) => removed.push(format!("nftables table {} kube-proxy", if family == sys::nft::NFPROTO_IPV4_FAMILY { "ip" } else { "ip6" })),
+    for family in IpFamily::ALL {
+        match sys::nft::delete_table_if_present(family.nfproto(), "kube-proxy") {
+            Ok(true) => removed.push(format!("nftables table {} kube-proxy", crate::backend::nftables::ir::family_name(family))),
             Ok(false) => {}
             Err(e) => errors.push(format!("nftables kube-proxy table: {e}")),
         }

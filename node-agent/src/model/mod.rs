@@ -43,6 +43,15 @@ impl IpFamily {
         Self::of(ip) == self
     }
 
+    /// The family's number on the netfilter wire: `NFPROTO_IPV4` / `NFPROTO_IPV6` (equal to
+    /// `AF_INET` / `AF_INET6`).
+    pub fn nfproto(self) -> u8 {
+        match self {
+            IpFamily::V4 => 2,
+            IpFamily::V6 => 10,
+        }
+    }
+
     /// The Kubernetes spelling (`IPv4`, `IPv6`), as in `ipFamilies` and EndpointSlice `addressType`.
     pub fn k8s_name(self) -> &'static str {
         match self {

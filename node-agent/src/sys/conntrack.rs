@@ -1,8 +1,9 @@
 //! Conntrack over ctnetlink: dumps the entries of one family and deletes those a
-//! [`crate::conntrack::StaleFlows`] marks stale, by echoing each entry's original tuple back in a
+//! [`crate::conntrack::Cleanup`] marks stale, by echoing each entry's original tuple back in a
 //! delete request.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
 
 use super::{
     genl::find_attr,
@@ -10,7 +11,7 @@ use super::{
 };
 use crate::{
     Result,
-    conntrack::{Flow, StaleFlows},
+    conntrack::{Cleanup, Flow},
     model::IpFamily,
 };
 
@@ -30,6 +31,7 @@ const CTA_IP_V4_DST: u16 = 2;
 const CTA_IP_V6_SRC: u16 = 3;
 const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
 /// Deletes per request: keeps each send and its acks well inside the socket buffers.
 const DELETES_PER_REQUEST: usize = 256;
@@ -38,12 +40,6 @@ fn kind(msg: u16) -> u16 {
     (NFNL_SUBSYS_CTNETLINK << 8) | msg
 }
 
-fn nfproto(family: IpFamily) -> u8 {
-    match family {
-        IpFamily::V4 => 2,
-        IpFamily::V6 => 10,
-    }
-}
 
 fn address(tuple: &[u8], v4: u16, v6: u16) -> Option<IpAddr> {
     let ip = find_attr(tuple, CTA_TUPLE_IP)?;
@@ -59,32 +55,37 @@ pub fn parse_entry(payload: &[u8]) -> Option<(Flow, &[u8])> {
     let attrs = payload.get(4..)?;
     let orig = find_attr(attrs, CTA_TUPLE_ORIG)?;
     let reply = find_attr(attrs, CTA_TUPLE_REPLY)?;
-    let proto = find_attr(orig, CTA_TUPLE_PROTO)?;
-    let protocol = *find_attr(proto, CTA_PROTO_NUM)?.first()?;
-    let dport = find_attr(proto, CTA_PROTO_DST_PORT).and_then(|b| Some(u16::from_be_bytes(b.try_into().ok()?))).unwrap_or(0);
+    let port = |tuple: &[u8], kind: u16| -> u16 {
+        find_attr(tuple, CTA_TUPLE_PROTO)
+            .and_then(|p| find_attr(p, kind))
+            .and_then(|b| Some(u16::from_be_bytes(b.try_into().ok()?)))
+            .unwrap_or(0)
+    };
+    let protocol = *find_attr(find_attr(orig, CTA_TUPLE_PROTO)?, CTA_PROTO_NUM)?.first()?;
     let flow = Flow {
         protocol,
         orig_dst: address(orig, CTA_IP_V4_DST, CTA_IP_V6_DST)?,
-        orig_dport: dport,
+        orig_dport: port(orig, CTA_PROTO_DST_PORT),
         reply_src: address(reply, CTA_IP_V4_SRC, CTA_IP_V6_SRC)?,
+        reply_sport: port(reply, CTA_PROTO_SRC_PORT),
     };
     Some((flow, orig))
 }
 
-/// Deletes every conntrack entry of `family` that `stale` matches; returns how many were deleted.
-/// Entries that vanish meanwhile (ENOENT) are not errors.
-pub fn delete_stale(family: IpFamily, stale: &StaleFlows) -> Result<usize> {
-    if stale.is_empty() {
+/// Deletes every conntrack entry of `family` that `cleanup` marks stale; returns how many were
+/// deleted. Entries that vanish meanwhile (ENOENT) are not errors.
+pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
+    if cleanup.is_empty() {
         return Ok(0);
     }
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let header = [nfproto(family), 0, 0, 0];
+    let header = [family.nfproto(), 0, 0, 0];
     let dump = MessageBuilder::new(kind(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, 1, &header).finish();
     let replies: Vec<Reply> = transport.dump(&dump)?;
     let mut deletes: Vec<Vec<u8>> = Vec::new();
     for reply in replies.iter().filter(|r| r.error.is_none()) {
         let Some((flow, orig)) = parse_entry(&reply.payload) else { continue };
-        if !stale.matches(&flow) {
+        if !cleanup.is_stale(&flow) {
             continue;
         }
         let seq = deletes.len() as u32 + 1;
@@ -128,29 +129,31 @@ mod tests {
         v
     }
 
-    fn tuple(src: [u8; 4], dst: [u8; 4], dport: u16) -> Vec<u8> {
-        let ip = [attr(CTA_IP_V4_SRC, &src), attr(CTA_IP_V4_DST, &dst)].concat();
-        let proto = [attr(CTA_PROTO_NUM, &[17]), attr(2, &40000u16.to_be_bytes()), attr(CTA_PROTO_DST_PORT, &dport.to_be_bytes())].concat();
+    fn tuple(src: IpAddr, sport: u16, dst: IpAddr, dport: u16) -> Vec<u8> {
+        let ip = match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => [attr(CTA_IP_V4_SRC, &s.octets()), attr(CTA_IP_V4_DST, &d.octets())].concat(),
+            (IpAddr::V6(s), IpAddr::V6(d)) => [attr(CTA_IP_V6_SRC, &s.octets()), attr(CTA_IP_V6_DST, &d.octets())].concat(),
+            _ => panic!("one family per tuple"),
+        };
+        let proto = [attr(CTA_PROTO_NUM, &[17]), attr(CTA_PROTO_SRC_PORT, &sport.to_be_bytes()), attr(CTA_PROTO_DST_PORT, &dport.to_be_bytes())].concat();
         [nest(CTA_TUPLE_IP, &ip), nest(CTA_TUPLE_PROTO, &proto)].concat()
     }
 
     #[test]
-    fn parses_the_original_destination_and_the_reply_source() {
-        // A DNATed UDP flow: client 10.244.1.12 -> 10.96.0.10:53, answered by 10.244.2.11:5353.
-        let orig = tuple([10, 244, 1, 12], [10, 96, 0, 10], 53);
-        let reply = tuple([10, 244, 2, 11], [10, 244, 1, 12], 40000);
-        let payload = [vec![2, 0, 0, 0], nest(CTA_TUPLE_ORIG, &orig), nest(CTA_TUPLE_REPLY, &reply)].concat();
-        let (flow, raw) = parse_entry(&payload).expect("entry");
-        assert_eq!(
-            flow,
-            Flow {
-                protocol: 17,
-                orig_dst: Ipv4Addr::new(10, 96, 0, 10).into(),
-                orig_dport: 53,
-                reply_src: Ipv4Addr::new(10, 244, 2, 11).into()
-            }
-        );
-        assert_eq!(raw, orig.as_slice());
-        assert_eq!(parse_entry(&payload[..8]), None, "truncated input is skipped, not a panic");
+    fn parses_the_original_destination_and_the_reply_source_in_both_families() {
+        // A DNATed UDP flow: client -> service:53, answered by endpoint:5353.
+        let cases: [[&str; 3]; 2] =
+            [["10.244.1.12", "10.96.0.10", "10.244.2.11"], ["fd00:10:244:1::12", "fd00:10:96::10", "fd00:10:244:2::11"]];
+        for [client, service, endpoint] in cases {
+            let (client, service, endpoint): (IpAddr, IpAddr, IpAddr) =
+                (client.parse().expect("ip"), service.parse().expect("ip"), endpoint.parse().expect("ip"));
+            let orig = tuple(client, 40000, service, 53);
+            let reply = tuple(endpoint, 5353, client, 40000);
+            let payload = [vec![2, 0, 0, 0], nest(CTA_TUPLE_ORIG, &orig), nest(CTA_TUPLE_REPLY, &reply)].concat();
+            let (flow, raw) = parse_entry(&payload).expect("entry");
+            assert_eq!(flow, Flow { protocol: 17, orig_dst: service, orig_dport: 53, reply_src: endpoint, reply_sport: 5353 });
+            assert_eq!(raw, orig.as_slice());
+            assert_eq!(parse_entry(&payload[..8]), None, "truncated input is skipped, not a panic");
+        }
     }
 }

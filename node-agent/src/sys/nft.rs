@@ -1,5 +1,6 @@
-//! nf_tables over netlink. For now: the capability probe's throwaway table. The nftables backend
-//! builds its transactions on the same batch framing.
+//! nf_tables over netlink: the capability probe's throwaway table, the nftables backend's
+//! transactions ([`Session`], [`apply`]) and listings of our tables, and removing kube-proxy's
+//! tables on takeover.
 
 use super::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, Transport};
 use crate::Result;
@@ -127,10 +128,6 @@ pub fn table_exists(family: crate::model::IpFamily) -> Result<bool> {
     Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
 }
 
-/// `NFPROTO_IPV4`.
-pub const NFPROTO_IPV4_FAMILY: u8 = 2;
-/// `NFPROTO_IPV6`.
-pub const NFPROTO_IPV6_FAMILY: u8 = 10;
 
 /// Deletes another component's table `name` in `family` (used only to take over from
 /// kube-proxy). Returns whether it existed.

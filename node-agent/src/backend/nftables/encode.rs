@@ -12,13 +12,6 @@ use crate::{
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 
-/// `NFPROTO_IPV4` / `NFPROTO_IPV6`: the table family on the wire.
-pub fn nfproto(family: IpFamily) -> u8 {
-    match family {
-        IpFamily::V4 => 2,
-        IpFamily::V6 => 10,
-    }
-}
 const NLA_F_NESTED: u16 = 0x8000;
 /// `NLM_F_DUMP`.
 pub const NLM_F_DUMP: u16 = 0x300;
@@ -94,7 +87,7 @@ fn nfgenmsg(family: u8) -> [u8; 4] {
 }
 
 fn message(family: IpFamily, msg: Msg, flags: u16, seq: u32, attrs: Nla) -> Vec<u8> {
-    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | flags, seq, &nfgenmsg(nfproto(family))).finish();
+    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | flags, seq, &nfgenmsg(family.nfproto())).finish();
     b.extend_from_slice(&attrs.0);
     let len = b.len() as u32;
     b[0..4].copy_from_slice(&len.to_ne_bytes());
@@ -291,7 +284,7 @@ impl Batch {
 
 /// A dump request (`GETCHAIN`, `GETSET`) for our table of `family`.
 pub fn dump_request(family: IpFamily, msg: Msg, seq: u32) -> Vec<u8> {
-    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | NLM_F_DUMP, seq, &nfgenmsg(nfproto(family))).finish();
+    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | NLM_F_DUMP, seq, &nfgenmsg(family.nfproto())).finish();
     let attrs = Nla::default().str(1, TABLE);
     b.extend_from_slice(&attrs.0);
     let len = b.len() as u32;
@@ -449,7 +442,7 @@ fn numgen(dreg: u32, modulus: u32) -> (&'static str, Nla) {
 
 /// DNAT to the address in register 1 and the port in register `port_reg` (`dnat ip to … map`).
 fn dnat_from_registers(family: IpFamily, port_reg: u32) -> (&'static str, Nla) {
-    ("nat", Nla::default().u32(1, 1).u32(2, u32::from(nfproto(family))).u32(3, 1).u32(5, port_reg))
+    ("nat", Nla::default().u32(1, 1).u32(2, u32::from(family.nfproto())).u32(3, 1).u32(5, port_reg))
 }
 
 fn lookup(set: &str, dreg: Option<u32>) -> (&'static str, Nla) {
@@ -564,7 +557,7 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         Expr::Dnat(a, p) => vec![
             ("immediate", Nla::default().u32(1, 1).nest(2, value(&octets(a)))),
             ("immediate", Nla::default().u32(1, 2).nest(2, value(&p.to_be_bytes()))),
-            ("nat", Nla::default().u32(1, 1).u32(2, u32::from(nfproto(family))).u32(3, 1).u32(5, 2).u32(7, 2)),
+            ("nat", Nla::default().u32(1, 1).u32(2, u32::from(family.nfproto())).u32(3, 1).u32(5, 2).u32(7, 2)),
         ],
         Expr::Masquerade => vec![("masq", Nla::default().u32(1, 0x10))],
         // ICMP port unreachable (3) / ICMPv6 port unreachable (4).
