@@ -1,8 +1,9 @@
-//! UDP flows follow endpoint removal, per backend: a client that keeps sending from one socket
-//! keeps its conntrack entry (and the DNAT to the endpoint picked first) for as long as it sends,
-//! so removing that endpoint from the Service must delete the entry; the client's next datagrams
-//! then reach a remaining endpoint. Without the agent's conntrack cleanup the removed endpoint
-//! (still running here) would keep answering.
+//! UDP flows follow the programmed state, per backend: a client that keeps sending from one
+//! socket keeps its conntrack entry (and the DNAT it got, or none) for as long as it sends. So a
+//! flow that started before the agent programmed the node (no DNAT: nobody answers) must be
+//! deleted by the agent's first sync, and removing the endpoint a flow was DNATed to must delete
+//! its entry; the client's next datagrams then reach a current endpoint. Without the agent's
+//! conntrack cleanup neither happens (the removed endpoint, still running here, keeps answering).
 
 use std::{
     fs::File,
@@ -54,18 +55,38 @@ async fn scenario(mode: &str) {
     let eps = [Ep::ready(nodes[0].pods[0].ip, &nodes[0].name), Ep::ready(nodes[1].pods[0].ip, &nodes[1].name)];
     let ports = [("dns", 5353, "UDP")];
     apply_slice(&admin, "dns", &ports, &eps).await.expect("dns slice");
-    env.start_agents(&["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1"]).await.expect("agents");
-
-    // One client socket, one conntrack entry: it sticks to the endpoint that answered first.
+    // Before the agent: another component's conntrack rule makes the node track connections (as a
+    // node always does), and the client's datagrams to the ClusterIP leave un-DNATed, unanswered.
+    let node1 = &nodes[0].netns;
+    switchyard_e2e::netns::Cluster::exec(
+        node1,
+        &["nft", "add table ip other; add chain ip other forward { type filter hook forward priority 0; }; add rule ip other forward ct state new counter"],
+    )
+    .expect("another component's conntrack rule");
     let socket = udp_socket_in(&nodes[0].pods[1].netns, 40053);
     let target: SocketAddr = format!("{DNS}:53").parse().expect("addr");
-    let deadline = Instant::now() + Duration::from_secs(60);
+    for _ in 0..3 {
+        assert_eq!(ask(&socket, target), None, "{mode}: nothing serves the ClusterIP yet");
+    }
+    let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"]).unwrap_or_default();
+    assert!(entries.contains(&format!("dst={DNS} sport=40053 dport=53")), "{mode}: the early flow is tracked:\n{entries}");
+
+    env.start_agents(&["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1"]).await.expect("agents");
+
+    // The same socket keeps sending: the first sync deleted its un-DNATed entry, so it is answered,
+    // and from then on it sticks to the endpoint that answered first.
+    let started = Instant::now();
     let first = loop {
         if let Some(name) = ask(&socket, target) {
             break name;
         }
-        assert!(Instant::now() < deadline, "{mode}: the service never answered");
+        if started.elapsed() > Duration::from_secs(30) {
+            let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"]).unwrap_or_default();
+            let log = env.agents.iter().find(|a| a.node == nodes[0].name).map(|a| a.log_text()).unwrap_or_default();
+            panic!("{mode}: the early flow was never answered; conntrack:\n{entries}\nagent log:\n{log}");
+        }
     };
+    println!("{mode}: the flow that started before the agent was answered {:?} after the agent started", started.elapsed());
     for _ in 0..10 {
         assert_eq!(ask(&socket, target).as_deref(), Some(first.as_str()), "{mode}: one socket, one endpoint");
     }

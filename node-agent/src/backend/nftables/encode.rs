@@ -582,18 +582,24 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
     }
 }
 
-/// Chain names in a `GETCHAIN` dump reply payload (after the netlink header).
-pub fn chain_name(payload: &[u8]) -> Option<String> {
-    let attrs = payload.get(4..)?;
-    let name = crate::sys::genl::find_attr(attrs, 3)?;
-    Some(String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or_default()).into_owned())
+fn string_attr(attrs: &[u8], kind: u16) -> Option<String> {
+    let value = crate::sys::genl::find_attr(attrs, kind)?;
+    Some(String::from_utf8_lossy(value.split(|b| *b == 0).next().unwrap_or_default()).into_owned())
 }
 
-/// Set names in a `GETSET` dump reply payload.
+/// The name of a chain of our table in a `GETCHAIN` dump reply payload (`None` for other tables'
+/// chains: the kernel does not filter chain dumps by table).
+pub fn chain_name(payload: &[u8]) -> Option<String> {
+    let attrs = payload.get(4..)?;
+    // NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME.
+    (string_attr(attrs, 1)? == TABLE).then(|| string_attr(attrs, 3)).flatten()
+}
+
+/// The name of a set of our table in a `GETSET` dump reply payload (`None` for other tables').
 pub fn set_name(payload: &[u8]) -> Option<String> {
     let attrs = payload.get(4..)?;
-    let name = crate::sys::genl::find_attr(attrs, 2)?;
-    Some(String::from_utf8_lossy(name.split(|b| *b == 0).next().unwrap_or_default()).into_owned())
+    // NFTA_SET_TABLE, NFTA_SET_NAME.
+    (string_attr(attrs, 1)? == TABLE).then(|| string_attr(attrs, 2)).flatten()
 }
 
 #[cfg(test)]
@@ -628,6 +634,17 @@ mod tests {
         assert_eq!(encode_expr(&Expr::SaddrIn(odd, false), IpFamily::V4).len(), 3);
         let odd6: IpNet = "fd00:10:244::/60".parse().expect("net");
         assert_eq!(encode_expr(&Expr::SaddrIn(odd6, false), IpFamily::V6).len(), 3);
+    }
+
+    #[test]
+    fn dumps_name_only_our_tables_objects() {
+        // nfgenmsg, then NFTA_CHAIN_TABLE (1) and NFTA_CHAIN_NAME (3).
+        let chain = |table: &str, name: &str| [vec![2, 0, 0, 0], Nla::default().str(1, table).str(3, name).0].concat();
+        assert_eq!(chain_name(&chain(TABLE, "services")), Some("services".to_owned()));
+        assert_eq!(chain_name(&chain("firewalld", "forward")), None, "another table's chain");
+        let set = |table: &str, name: &str| [vec![2, 0, 0, 0], Nla::default().str(1, table).str(2, name).0].concat();
+        assert_eq!(set_name(&set(TABLE, "cluster-ips")), Some("cluster-ips".to_owned()));
+        assert_eq!(set_name(&set("other", "cluster-ips")), None);
     }
 
     #[test]
