@@ -60,6 +60,16 @@ impl Settings {
     pub fn cluster_cidr(&self, family: IpFamily) -> Option<IpNet> {
         self.cluster_cidrs.iter().copied().find(|n| IpFamily::of_net(n) == family)
     }
+
+    /// The NodePort addresses of `family`: `None` for every local address, which is also what a
+    /// family gets when the configured list has none of its addresses (as kube-proxy's
+    /// `nodePortAddresses` falls back per family), so a Node listing only an IPv4 InternalIP still
+    /// serves NodePorts over IPv6.
+    pub fn node_port_addresses(&self, family: IpFamily) -> Option<Vec<std::net::IpAddr>> {
+        let of_family: Vec<std::net::IpAddr> =
+            self.node_port_addresses.as_ref()?.iter().copied().filter(|a| family.holds(a)).collect();
+        (!of_family.is_empty()).then_some(of_family)
+    }
 }
 
 /// What a sync did, for metrics and NodeProxy status.
@@ -86,6 +96,37 @@ impl SyncStats {
             endpoints: self.endpoints + other.endpoints,
             objects_written: self.objects_written + other.objects_written,
             rules_total: self.rules_total + other.rules_total,
+        }
+    }
+}
+
+/// How a backend treats the sync results of one family. IPv4 must always work. IPv6 is optional
+/// until it has worked once: on a node without IPv6 (no `ip6tables`, IPv6 disabled) its failures
+/// are logged once and the node serves IPv4, as kube-proxy runs single-stack there; once IPv6 has
+/// synced, its failures are errors like IPv4's.
+#[derive(Debug, Default)]
+pub struct FamilyResults {
+    synced_once: bool,
+    warned: bool,
+}
+
+impl FamilyResults {
+    /// Passes on `result` of a sync of `family`, or turns a tolerated IPv6 failure into empty stats.
+    pub fn check(&mut self, family: IpFamily, result: Result<SyncStats, BackendError>) -> Result<SyncStats, BackendError> {
+        match result {
+            Ok(stats) => {
+                self.synced_once = true;
+                self.warned = false;
+                Ok(stats)
+            }
+            Err(e) if family == IpFamily::V6 && !self.synced_once => {
+                if !self.warned {
+                    tracing::warn!(error = %e, "IPv6 rules could not be programmed on this node; serving IPv4 only, retrying with every sync");
+                    self.warned = true;
+                }
+                Ok(SyncStats::default())
+            }
+            Err(e) => Err(e),
         }
     }
 }
@@ -179,4 +220,25 @@ pub fn cleanup_all() -> Vec<BackendError> {
         }
     }
     errors
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure() -> Result<SyncStats, BackendError> {
+        Err(BackendError::Command { backend: "test", command: "ip6tables-restore".into(), detail: "not found".into() })
+    }
+
+    #[test]
+    fn ipv6_failures_are_tolerated_only_until_ipv6_has_worked() {
+        let mut v4 = FamilyResults::default();
+        assert!(v4.check(IpFamily::V4, failure()).is_err(), "IPv4 must always work");
+        let mut v6 = FamilyResults::default();
+        assert_eq!(v6.check(IpFamily::V6, failure()).ok(), Some(SyncStats::default()), "a node without IPv6 serves IPv4");
+        assert!(v6.check(IpFamily::V6, failure()).is_ok());
+        let stats = SyncStats { full: true, services: 3, ..Default::default() };
+        assert_eq!(v6.check(IpFamily::V6, Ok(stats.clone())).ok(), Some(stats));
+        assert!(v6.check(IpFamily::V6, failure()).is_err(), "once IPv6 worked, its failures are errors");
+    }
 }

@@ -71,7 +71,6 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
         let family = IpFamily::of(&cluster_ip);
         let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> { ips.iter().copied().filter(|ip| family.holds(ip)).collect() };
         let ranges: Vec<IpNet> = source_ranges.iter().copied().filter(|n| IpFamily::of_net(n) == family).collect();
-        let source_ranges_other_family = ranges.is_empty() && !source_ranges.is_empty();
         for p in spec.ports.iter().flatten() {
             let (Some(protocol), Ok(port)) = (Protocol::from_k8s(p.protocol.as_deref()), u16::try_from(p.port)) else {
                 continue;
@@ -84,7 +83,6 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
                 external_ips: of_family(&external_ips),
                 load_balancer_ips: of_family(&load_balancer_ips),
                 load_balancer_source_ranges: ranges.clone(),
-                source_ranges_other_family,
                 affinity_timeout_seconds: affinity,
                 external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
                 internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),

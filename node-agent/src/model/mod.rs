@@ -160,12 +160,9 @@ pub struct ServicePort {
     pub external_ips: Vec<IpAddr>,
     /// `status.loadBalancer.ingress[].ip` of this family.
     pub load_balancer_ips: Vec<IpAddr>,
-    /// `spec.loadBalancerSourceRanges` of this family (empty: any source — but see
-    /// [`ServicePort::source_ranges_other_family`]).
+    /// `spec.loadBalancerSourceRanges` of this family (empty: any source). As in kube-proxy, ranges
+    /// of the other family do not restrict this family's load-balancer IPs.
     pub load_balancer_source_ranges: Vec<IpNet>,
-    /// Whether the Service has source ranges of the other family only: then no source of this
-    /// family is allowed (kube-proxy drops it rather than opening the port to everyone).
-    pub source_ranges_other_family: bool,
     /// ClientIP session affinity timeout in seconds; `None` without affinity.
     pub affinity_timeout_seconds: Option<u32>,
     /// `externalTrafficPolicy: Local`.
@@ -184,7 +181,7 @@ impl ServicePort {
 
     /// Whether the LoadBalancer IPs are restricted to source ranges.
     pub fn has_source_ranges(&self) -> bool {
-        !self.load_balancer_source_ranges.is_empty() || self.source_ranges_other_family
+        !self.load_balancer_source_ranges.is_empty()
     }
 
     /// Whether the port has destinations outside the cluster (NodePort, external or LB IPs).
@@ -358,7 +355,6 @@ pub mod fixtures {
             external_ips: vec![],
             load_balancer_ips: vec![],
             load_balancer_source_ranges: vec![],
-            source_ranges_other_family: false,
             affinity_timeout_seconds: None,
             external_policy_local: false,
             internal_policy_local: false,

@@ -178,9 +178,9 @@ fn dual_stack_services_yield_one_port_per_family_and_slices_sort_by_family() {
     assert_eq!(v4.external_ips, vec![IpAddr::from([192, 0, 2, 7])]);
     assert_eq!(v6.external_ips.iter().map(ToString::to_string).collect::<Vec<_>>(), ["2001:db8::7"]);
     assert_eq!(v6.load_balancer_ips.iter().map(ToString::to_string).collect::<Vec<_>>(), ["2001:db8::100"]);
-    // Source ranges of one family only: the other family's LB IPs are closed, not opened to all.
-    assert!(!v4.source_ranges_other_family && v4.has_source_ranges());
-    assert!(v6.load_balancer_source_ranges.is_empty() && v6.source_ranges_other_family && v6.has_source_ranges());
+    // Source ranges of one family restrict only that family's LB IPs (as in kube-proxy).
+    assert!(v4.has_source_ranges());
+    assert!(v6.load_balancer_source_ranges.is_empty() && !v6.has_source_ranges());
 
     let mut t = Tracker::new(None);
     t.reset_services(&[svc]);

@@ -23,7 +23,7 @@ use std::collections::BTreeSet;
 
 use switchyard_crds::v1alpha1::ProxyMode;
 
-use crate::backend::{Backend, BackendError, Settings, SyncStats};
+use crate::backend::{Backend, BackendError, FamilyResults, Settings, SyncStats};
 use crate::model::{Changes, DualSnapshot, IpFamily, ServiceName, Snapshot};
 use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
 
@@ -144,8 +144,8 @@ struct FamilyTables {
     services: BTreeSet<ServiceName>,
     /// Set after a failure: the next sync is full whatever the caller asks.
     needs_full: bool,
-    /// Whether an IPv6 failure without IPv6 Services was logged.
-    warned: bool,
+    /// Whether this family has worked on this node (see [`FamilyResults`]).
+    results: FamilyResults,
 }
 
 impl IptablesBackend {
@@ -163,7 +163,7 @@ impl IptablesBackend {
             nat_chains: BTreeSet::new(),
             services: BTreeSet::new(),
             needs_full: true,
-            warned: false,
+            results: FamilyResults::default(),
         };
         Self { variant, settings, families: IpFamily::ALL.map(tables), bypassed: false }
     }
@@ -301,10 +301,8 @@ impl FamilyTables {
         self.needs_full = true;
         let (filter, nat) = match (self.ipt.save(Table::Filter), self.ipt.save(Table::Nat)) {
             (Ok(filter), Ok(nat)) => (own_chains(&filter), own_chains(&nat)),
-            // Without the IPv6 tools there is nothing of ours in ip6tables to remove.
-            (Err(IptablesError::Spawn { .. }), _) | (_, Err(IptablesError::Spawn { .. })) if self.ipt.family() == IpFamily::V6 => {
-                return Ok(());
-            }
+            // Without the IPv6 tools or kernel tables there is nothing of ours in ip6tables.
+            (Err(_), _) | (_, Err(_)) if self.ipt.family() == IpFamily::V6 => return Ok(()),
             (Err(e), _) | (_, Err(e)) => return Err(e.into()),
         };
         // A jump rule can only exist while its target chain does (and `-C` fails without it).
@@ -369,16 +367,9 @@ impl Backend for IptablesBackend {
             let tables = &mut self.families[i];
             let family = tables.ipt.family();
             let family_snapshot = snapshot.get(family);
-            match tables.sync(&self.settings, self.bypassed, family_snapshot, changes, full) {
+            let result = tables.sync(&self.settings, self.bypassed, family_snapshot, changes, full);
+            match tables.results.check(family, result) {
                 Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
-                // A node without ip6tables (or without IPv6) still serves IPv4 as long as no IPv6
-                // Service needs it; the IPv6 family is retried in full on the next sync.
-                Err(e) if family == IpFamily::V6 && family_snapshot.services.is_empty() => {
-                    if !tables.warned {
-                        tracing::warn!(error = %e, "IPv6 rules could not be programmed; serving IPv4 only until they can");
-                        tables.warned = true;
-                    }
-                }
                 Err(e) => {
                     // The other family may have missed these changes too: both go full next time.
                     for other in &mut self.families {

@@ -291,14 +291,15 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
 
     // Last rule of nat SWY-SERVICES: node ports.
     let np_comment = comment("switchyard service nodeports; NOTE: this must be the last rule in this chain");
-    match &settings.node_port_addresses {
-        None => nat.add(
-            SERVICES,
-            format!("{np_comment} -m addrtype --dst-type LOCAL -j {NODEPORTS}"),
-        ),
+    match settings.node_port_addresses(snapshot.family) {
+        // Every local address but loopback (IPv4 loopback NodePorts would need route_localnet).
+        None => {
+            let not_loopback = if snapshot.family == IpFamily::V6 { "! -d ::1/128 " } else { "" };
+            nat.add(SERVICES, format!("{not_loopback}{np_comment} -m addrtype --dst-type LOCAL -j {NODEPORTS}"))
+        }
         Some(addresses) => {
             let host = spelling(snapshot.family).host;
-            for ip in addresses.iter().filter(|a| snapshot.family.holds(a)) {
+            for ip in addresses {
                 nat.add(SERVICES, format!("-d {ip}{host} {np_comment} -j {NODEPORTS}"));
             }
         }

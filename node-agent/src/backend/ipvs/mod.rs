@@ -223,8 +223,8 @@ impl IpvsBackend {
     /// The addresses NodePort virtual servers go on: the configured ones, or every local IPv4
     /// address except loopback and the dummy link's.
     pub fn node_port_addresses(&self) -> Result<Vec<Ipv4Addr>, BackendError> {
-        if let Some(list) = &self.settings.node_port_addresses {
-            return Ok(list.iter().filter_map(|ip| if let IpAddr::V4(a) = ip { Some(*a) } else { None }).collect());
+        if let Some(list) = self.settings.node_port_addresses(crate::model::IpFamily::V4) {
+            return Ok(render::ipv4s(&list));
         }
         let all = link::all_addresses().map_err(|e| cmd_err("ip addr")(e.to_string()))?;
         let mut ips: Vec<Ipv4Addr> = all
@@ -713,9 +713,7 @@ impl Backend for IpvsBackend {
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {
-        let ips = self.node_port_addresses().unwrap_or_else(|_| {
-            self.settings.node.addresses.iter().filter_map(|ip| if let IpAddr::V4(a) = ip { Some(*a) } else { None }).collect()
-        });
+        let ips = self.node_port_addresses().unwrap_or_else(|_| render::ipv4s(&self.settings.node.addresses));
         render::render(&snapshot.v4, &self.settings, &ips).text()
     }
 

@@ -22,7 +22,7 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use crate::backend::Settings;
 use crate::backend::iptables::render::{comment, forward_rules, postrouting_rules};
-use crate::model::{Endpoint, Protocol, ServicePort, Snapshot, categorize};
+use crate::model::{Endpoint, IpFamily, Protocol, ServicePort, Snapshot, categorize};
 use crate::sys::ipset::SetSpec;
 use crate::sys::ipvs::{self, FLAG_PERSISTENT, FLAG_SCHED2, VirtualAddr};
 
@@ -571,6 +571,19 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, node_port_ips: &[Ipv4Add
     d
 }
 
+/// The address if it is IPv4 (IPVS mode programs IPv4 only).
+fn ipv4(ip: &IpAddr) -> Option<Ipv4Addr> {
+    match ip {
+        IpAddr::V4(a) => Some(*a),
+        IpAddr::V6(_) => None,
+    }
+}
+
+/// The IPv4 addresses of `ips`.
+pub fn ipv4s(ips: &[IpAddr]) -> Vec<Ipv4Addr> {
+    ips.iter().filter_map(ipv4).collect()
+}
+
 fn set<'a>(d: &'a mut Desired, name: &str) -> &'a mut BTreeSet<String> {
     &mut d
         .sets
@@ -592,13 +605,10 @@ fn render_service(
 ) {
     // IPVS mode programs IPv4 only (the backend renders the IPv4 snapshot).
     let IpAddr::V4(cluster_ip) = sp.cluster_ip else { return };
-    let v4s = |ips: &[IpAddr]| -> Vec<Ipv4Addr> {
-        ips.iter().filter_map(|ip| if let IpAddr::V4(a) = ip { Some(*a) } else { None }).collect()
-    };
-    let (external_ips, load_balancer_ips) = (v4s(&sp.external_ips), v4s(&sp.load_balancer_ips));
+    let (external_ips, load_balancer_ips) = (ipv4s(&sp.external_ips), ipv4s(&sp.load_balancer_ips));
     let cat = categorize(eps, &settings.node);
     let to_reals = |list: &[&Endpoint]| -> BTreeSet<(Ipv4Addr, u16)> {
-        list.iter().filter_map(|e| if let IpAddr::V4(ip) = e.ip { Some((ip, e.port)) } else { None }).collect()
+        list.iter().filter_map(|e| Some((ipv4(&e.ip)?, e.port))).collect()
     };
     let internal = to_reals(if sp.internal_policy_local {
         &cat.local
@@ -751,10 +761,10 @@ fn rules(d: &mut Desired, settings: &Settings) {
             comment("switchyard load balancer IP + port")
         ),
     );
-    match &settings.node_port_addresses {
+    match settings.node_port_addresses(IpFamily::V4) {
         None => nat.add(SERVICES, format!("-m addrtype --dst-type LOCAL -j {NODE_PORT}")),
         Some(addresses) => {
-            for ip in addresses.iter().filter(|ip| ip.is_ipv4()) {
+            for ip in addresses {
                 nat.add(SERVICES, format!("-d {ip}/32 -j {NODE_PORT}"));
             }
         }
@@ -856,9 +866,9 @@ fn rules(d: &mut Desired, settings: &Settings) {
             format!("{new} -m set --match-set {name} dst,dst {reject}"),
         );
     }
-    let node_dsts: Vec<String> = match &settings.node_port_addresses {
+    let node_dsts: Vec<String> = match settings.node_port_addresses(IpFamily::V4) {
         None => vec!["-m addrtype --dst-type LOCAL".to_owned()],
-        Some(addresses) => addresses.iter().filter(|ip| ip.is_ipv4()).map(|ip| format!("-d {ip}/32")).collect(),
+        Some(addresses) => addresses.iter().map(|ip| format!("-d {ip}/32")).collect(),
     };
     for dst in &node_dsts {
         for (p, set, dir) in [

@@ -21,7 +21,7 @@ use ir::{Element, Key};
 use render::{EndpointMaps, Fragment};
 use switchyard_crds::v1alpha1::ProxyMode;
 
-use super::{Backend, BackendError, Settings, SyncStats};
+use super::{Backend, BackendError, FamilyResults, Settings, SyncStats};
 use crate::{
     model::{Changes, DualSnapshot, IpFamily, ServiceName, ServicePortName, Snapshot},
     sys,
@@ -53,8 +53,8 @@ struct Table {
     stale_sets: BTreeSet<String>,
     /// Whether a full sync has programmed the table.
     programmed: bool,
-    /// Whether an IPv6 failure without IPv6 Services was logged.
-    warned: bool,
+    /// Whether this family has worked on this node (see [`FamilyResults`]).
+    results: FamilyResults,
 }
 
 /// The entries of one Service in a map keyed by service port, by range (the key orders by
@@ -100,7 +100,7 @@ impl Table {
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
             programmed: false,
-            warned: false,
+            results: FamilyResults::default(),
         }
     }
 
@@ -443,16 +443,9 @@ impl Backend for NftablesBackend {
         for i in 0..self.tables.len() {
             let table = &mut self.tables[i];
             let family_snapshot = snapshot.get(table.family);
-            match table.sync(&self.settings, self.bypassed, family_snapshot, changes, full) {
+            let result = table.sync(&self.settings, self.bypassed, family_snapshot, changes, full);
+            match table.results.check(table.family, result) {
                 Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
-                // A node without IPv6 still serves IPv4 as long as no IPv6 Service needs it; the
-                // ip6 table is retried in full on the next sync.
-                Err(e) if table.family == IpFamily::V6 && family_snapshot.services.is_empty() => {
-                    if !table.warned {
-                        tracing::warn!(error = %e, "the ip6 table could not be programmed; serving IPv4 only until it can");
-                        table.warned = true;
-                    }
-                }
                 Err(e) => {
                     // The other table may have missed these changes too: both go full next time.
                     for other in &mut self.tables {

@@ -111,16 +111,12 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         set(MASQUERADE_NODEPORTS, KeyType::ProtoPort, false, Some("NodePort traffic to masquerade")),
     ];
     let mut elements = std::collections::BTreeMap::new();
-    let nodeport_match: Vec<Expr> = match &settings.node_port_addresses {
+    let nodeport_match: Vec<Expr> = match settings.node_port_addresses(family) {
         Some(addrs) => {
             sets_defs.insert(1, set(NODEPORT_IPS, KeyType::Addr, false, Some("IPs that accept NodePort traffic")));
             elements.insert(
                 NODEPORT_IPS.to_owned(),
-                addrs
-                    .iter()
-                    .filter(|a| family.holds(a))
-                    .map(|a| Element { key: Key::Addr(*a), verdict: None, dnat: None, comment: None })
-                    .collect(),
+                addrs.into_iter().map(|a| Element { key: Key::Addr(a), verdict: None, dnat: None, comment: None }).collect(),
             );
             vec![Expr::DaddrInSet(NODEPORT_IPS.into())]
         }
