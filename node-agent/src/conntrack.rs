@@ -35,6 +35,9 @@ pub struct Flow {
 /// An endpoint a flow may be DNATed to.
 type Target = (IpAddr, u16);
 
+/// The endpoints a port DNATs internal and external traffic to.
+type Targets = (BTreeSet<Target>, BTreeSet<Target>);
+
 /// The UDP destinations of one family's Services that have endpoints, with the endpoints each
 /// may be DNATed to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -95,7 +98,7 @@ impl UdpDestinations {
 }
 
 /// The endpoints a port DNATs internal (ClusterIP) and external traffic to, as the backends do.
-fn targets(port: &ServicePort, snapshot: &Snapshot, node: &NodeInfo) -> (BTreeSet<Target>, BTreeSet<Target>) {
+fn targets(port: &ServicePort, snapshot: &Snapshot, node: &NodeInfo) -> Targets {
     let eps = snapshot.endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
     let c = categorize(eps, node);
     let set = |list: &[&crate::model::Endpoint]| list.iter().map(|e| (e.ip, e.port)).collect::<BTreeSet<_>>();
@@ -148,7 +151,7 @@ pub fn cleanup_after(old: Option<&Snapshot>, new: &Snapshot, changes: &Changes, 
     let Some(old) = old else {
         return (!current.is_empty()).then(|| Cleanup { current, ..Default::default() });
     };
-    let udp = |s: &Snapshot, service| -> Vec<(ServicePort, (BTreeSet<Target>, BTreeSet<Target>))> {
+    let udp = |s: &Snapshot, service| -> Vec<(ServicePort, Targets)> {
         s.services
             .values()
             .filter(|p| &p.name.service == service && p.name.protocol == Protocol::Udp)

@@ -152,6 +152,32 @@ pub async fn serve(addr: std::net::SocketAddr, router: Router) -> std::io::Resul
     axum::serve(listener, router).await
 }
 
+/// A listener on `port` of every address of both families: `[::]` with `IPV6_V6ONLY` off (so
+/// whatever `net.ipv6.bindv6only` says, IPv4 load balancers reach it too), or `0.0.0.0` on a node
+/// without IPv6.
+fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let open = |domain: Domain, addr: std::net::SocketAddr| -> std::io::Result<std::net::TcpListener> {
+        let socket = Socket::new(domain, Type::STREAM, None)?;
+        if domain == Domain::IPV6 {
+            socket.set_only_v6(false)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        Ok(socket.into())
+    };
+    let listener = match open(Domain::IPV6, (std::net::Ipv6Addr::UNSPECIFIED, port).into()) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::info!(port, error = %e, "no IPv6 health-check listener; serving IPv4 only");
+            open(Domain::IPV4, (std::net::Ipv4Addr::UNSPECIFIED, port).into())?
+        }
+    };
+    tokio::net::TcpListener::from_std(listener)
+}
+
 /// Desired health-check servers: node port → (service, local endpoints).
 pub type HealthCheckPorts = BTreeMap<u16, (ServiceName, usize)>;
 
@@ -208,14 +234,7 @@ impl ServiceHealthServers {
             self.running.insert(
                 port,
                 tokio::spawn(async move {
-                    // `[::]` serves both families (v4-mapped); a node without IPv6 gets `0.0.0.0`.
-                    let any6 = std::net::SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
-                    let any4 = std::net::SocketAddr::from(([0, 0, 0, 0], port));
-                    let listener = match tokio::net::TcpListener::bind(any6).await {
-                        Ok(l) => Ok(l),
-                        Err(_) => tokio::net::TcpListener::bind(any4).await,
-                    };
-                    let served = match listener {
+                    let served = match dual_stack_listener(port) {
                         Ok(listener) => axum::serve(listener, app).await,
                         Err(e) => Err(e),
                     };

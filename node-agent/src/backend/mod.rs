@@ -100,6 +100,30 @@ impl SyncStats {
     }
 }
 
+/// A reject a client sees at once, used ahead of kube-proxy's ICMP port unreachable for the one
+/// protocol of each family where that is slow:
+/// - IPv6 TCP gets a reset: an ICMPv6 port unreachable that answers a SYN while the connecting
+///   socket is locked is dropped (`TcpExtLockDroppedIcmps`), so the refusal would wait for the SYN
+///   retransmission a second later.
+/// - IPv4 SCTP gets ICMP protocol unreachable, which SCTP handles as an ABORT of the starting
+///   association (RFC 4960 appendix C); port unreachable is only a soft error to SCTP, and the
+///   client would retry INIT for minutes. (ICMPv6 offers no such code to reject with.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastReject {
+    /// TCP reset.
+    TcpReset,
+    /// ICMP protocol unreachable.
+    ProtocolUnreachable,
+}
+
+/// The protocol of `family` that gets a [`FastReject`], and which.
+pub fn fast_reject(family: IpFamily) -> (crate::model::Protocol, FastReject) {
+    match family {
+        IpFamily::V4 => (crate::model::Protocol::Sctp, FastReject::ProtocolUnreachable),
+        IpFamily::V6 => (crate::model::Protocol::Tcp, FastReject::TcpReset),
+    }
+}
+
 /// How a backend treats the sync results of one family. IPv4 must always work. IPv6 is optional
 /// until it has worked once: on a node without IPv6 (no `ip6tables`, IPv6 disabled) its failures
 /// are logged once and the node serves IPv4, as kube-proxy runs single-stack there; once IPv6 has

@@ -379,11 +379,11 @@ pub mod fixtures {
         }
     }
 
-    /// The twin of an IPv4 network: the same addresses' twins (a `/8k+r` prefix fixes `k` groups
-    /// and `r` bits of the next octet, which sits in the low byte of its group).
+    /// The twin of an IPv4 network: a byte-aligned `/8k` prefix becomes `/(64+16k)`, which holds
+    /// exactly the twins of its addresses; other prefixes widen to the byte-aligned one above them
+    /// (octets are spelled in hex groups, so bit prefixes inside an octet have no twin).
     pub fn ipv6_twin_net(net: IpNet) -> IpNet {
-        let (k, r) = (net.prefix_len() / 8, net.prefix_len() % 8);
-        let len = 64 + 16 * k + if r > 0 { 8 + r } else { 0 };
+        let len = 64 + 16 * (net.prefix_len() / 8);
         IpNet::new(ipv6_twin(net.network()), len).map(|n| n.trunc()).unwrap_or(net)
     }
 

@@ -334,11 +334,13 @@ fn render_service(
     let cat = categorize(eps, &settings.node);
     let family = sp.family();
     let Spelling { host, mut reject, mask } = spelling(family);
-    // Rejects a client sees at once (see the nftables render's `fast_rejects`): a reset for IPv6
-    // TCP, protocol unreachable (an ABORT to a starting association) for IPv4 SCTP.
-    match (family, name.protocol) {
-        (IpFamily::V6, crate::model::Protocol::Tcp) => reject = "REJECT --reject-with tcp-reset",
-        (IpFamily::V4, crate::model::Protocol::Sctp) => reject = "REJECT --reject-with icmp-proto-unreachable",
+    match crate::backend::fast_reject(family) {
+        (protocol, crate::backend::FastReject::TcpReset) if protocol == name.protocol => {
+            reject = "REJECT --reject-with tcp-reset";
+        }
+        (protocol, crate::backend::FastReject::ProtocolUnreachable) if protocol == name.protocol => {
+            reject = "REJECT --reject-with icmp-proto-unreachable";
+        }
         _ => {}
     }
 

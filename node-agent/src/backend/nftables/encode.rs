@@ -147,13 +147,13 @@ impl Batch {
         (out, vec![self.count])
     }
 
-    /// `add table ip switchyard` (no error if it exists).
+    /// `add table ip switchyard` / `ip6 switchyard` (no error if it exists).
     pub fn add_table(&mut self, comment: &str) {
         let attrs = Nla::default().str(1, TABLE).u32(2, 0).put(6, &udata_string(0, comment));
         self.push(Msg::NewTable, NLM_F_CREATE, attrs);
     }
 
-    /// `delete table ip switchyard`.
+    /// `delete table ip switchyard` / `ip6 switchyard`.
     pub fn delete_table(&mut self) {
         self.push(Msg::DelTable, 0, Nla::default().str(1, TABLE));
     }

@@ -274,9 +274,9 @@ pub enum KeyType {
     Addr,
     /// `inet_proto . inet_service`.
     ProtoPort,
-    /// `ipv4_addr . inet_proto . inet_service`.
+    /// `ipv4_addr . inet_proto . inet_service` (or `ipv6_addr . …`).
     AddrProtoPort,
-    /// `ipv4_addr . ipv4_addr`.
+    /// `ipv4_addr . ipv4_addr` (or `ipv6_addr . ipv6_addr`).
     AddrAddr,
     /// An endpoint map of destinations with N endpoints:
     /// `typeof ip daddr . meta l4proto . th dport . numgen random mod N : ip daddr . th dport`.

@@ -48,7 +48,7 @@ struct Table {
     endpoint_maps: EndpointMaps,
     /// Our nf_tables socket for this table.
     session: sys::nft::Session,
-    /// Chains and sets deleted at the start of the next sync.
+    /// Chains and sets to delete in a follow-up transaction (retried by later syncs if it fails).
     stale_chains: BTreeSet<String>,
     stale_sets: BTreeSet<String>,
     /// Whether a full sync has programmed the table.

@@ -193,18 +193,12 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
     Ruleset { family, sets: sets_defs, elements, chains }
 }
 
-/// Rejects that a client sees at once, ahead of kube-proxy's plain ICMP port unreachable:
-/// - IPv6 TCP gets a reset: an ICMPv6 port unreachable that answers a SYN while the connecting
-///   socket is locked is dropped (`TcpExtLockDroppedIcmps`), so the refusal would wait for the SYN
-///   retransmission a second later.
-/// - IPv4 SCTP gets ICMP protocol unreachable, which SCTP handles as an ABORT of the starting
-///   association (RFC 4960 appendix C); port unreachable is only a soft error to SCTP, and
-///   the client would retry INIT for minutes. (ICMPv6 has no such code in `reject`.)
+/// The [`crate::backend::fast_reject`] rule of `family`, after `matches`.
 fn fast_rejects(family: IpFamily, matches: Vec<Expr>) -> Vec<Rule> {
-    use crate::model::Protocol;
-    let (protocol, reject) = match family {
-        IpFamily::V4 => (Protocol::Sctp, Expr::RejectProtocolUnreachable),
-        IpFamily::V6 => (Protocol::Tcp, Expr::RejectTcpReset),
+    let (protocol, reject) = crate::backend::fast_reject(family);
+    let reject = match reject {
+        crate::backend::FastReject::TcpReset => Expr::RejectTcpReset,
+        crate::backend::FastReject::ProtocolUnreachable => Expr::RejectProtocolUnreachable,
     };
     let mut exprs = matches;
     exprs.extend([Expr::L4Proto(protocol), reject]);
