@@ -90,7 +90,8 @@ modules="ip_vs ip_vs_rr ip_vs_wrr ip_vs_lc ip_vs_wlc ip_vs_sh ip_vs_dh ip_vs_sed
   veth dummy ip_tables iptable_filter iptable_nat xt_MASQUERADE xt_mark xt_comment xt_conntrack
   xt_addrtype xt_set ipt_REJECT ip_set ip_set_hash_ip ip_set_hash_ipport ip_set_hash_ipportip
   ip_set_hash_ipportnet ip_set_bitmap_port nf_tables nft_chain_nat nft_nat nft_ct nft_masq nft_reject_ipv4
-  nft_fib_ipv4 nft_numgen sctp xt_sctp xt_nat xt_statistic"
+  nft_fib_ipv4 nft_numgen sctp xt_sctp xt_nat xt_statistic
+  nft_fib_ipv6 nft_reject_ipv6 nft_reject_inet ip6_tables ip6table_filter ip6table_nat ip6t_REJECT"
 key=$( (cat "$0"; echo "$KVER $modules") | md5sum | cut -c1-12)
 base=$cache/base-$key.cpio.gz
 if [ ! -s "$base" ]; then
@@ -115,7 +116,8 @@ if [ ! -s "$base" ]; then
     cp -L "$b" "$stage$b"
   done
   multi=$(readlink -f "$(command -v iptables-legacy)")
-  for name in iptables-legacy iptables-legacy-restore iptables-legacy-save; do
+  for name in iptables-legacy iptables-legacy-restore iptables-legacy-save \
+    ip6tables-legacy ip6tables-legacy-restore ip6tables-legacy-save; do
     ln -sf "$(basename "$multi")" "$stage$(dirname "$multi")/$name"
   done
   xtlib=/usr/lib/x86_64-linux-gnu/xtables

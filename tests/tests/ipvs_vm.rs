@@ -39,7 +39,7 @@ const MUST_SHOW: [&str; 26] = [
     "VMTEST switch ipvs -> nftables: Succeeded in ",
     "VMTEST switch nftables -> ipvs: Succeeded in ",
     "VMTEST after leaving ipvs: no swy-ipvs0, no SWY-* ipsets, no IPVS services, no SWY-IPVS chains",
-    "VMTEST after leaving nftables: no switchyard nft table",
+    "VMTEST after leaving nftables: no switchyard nft table (ip, ip6)",
     "VMTEST switch load: ",
     // SCTP through the nftables and iptables backends (the numbers are checked below).
     "VMTEST sctp nftables spread: ClusterIP ",

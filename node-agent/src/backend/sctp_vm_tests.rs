@@ -405,7 +405,8 @@ fn vm_sctp_nftables() {
 fn vm_sctp_iptables_legacy() {
     let mut b = IptablesBackend::new(Variant::Legacy, settings());
     exercise("iptables", &mut b, || {
-        sh(&["iptables-legacy-save"])
+        [sh(&["iptables-legacy-save"]), sh(&["ip6tables-legacy-save"])]
+            .concat()
             .lines()
             .filter(|l| l.contains("SWY-") || l.contains("switchyard"))
             .map(str::to_owned)

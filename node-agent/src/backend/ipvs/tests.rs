@@ -1263,7 +1263,9 @@ mod vm {
         assert!(services.is_empty(), "IPVS services left: {services:?}");
         let save = sh(&["iptables-legacy-save"]);
         assert!(!save.contains("SWY-"), "SWY chains left: {save}");
-        assert!(crate::sys::nft::table_exists(crate::model::IpFamily::V4).unwrap());
+        for family in crate::model::IpFamily::ALL {
+            assert!(crate::sys::nft::table_exists(family).unwrap(), "{family} switchyard table after the switch to nftables");
+        }
         println!(
             "VMTEST after leaving ipvs: no swy-ipvs0, no SWY-* ipsets, no IPVS services, no SWY-IPVS chains"
         );
@@ -1289,11 +1291,10 @@ mod vm {
             "survives the nftables table's removal"
         );
         drop(via_nft);
-        assert!(
-            !crate::sys::nft::table_exists(crate::model::IpFamily::V4).unwrap(),
-            "switchyard nft table left"
-        );
-        println!("VMTEST after leaving nftables: no switchyard nft table");
+        for family in crate::model::IpFamily::ALL {
+            assert!(!crate::sys::nft::table_exists(family).unwrap(), "{family} switchyard nft table left");
+        }
+        println!("VMTEST after leaving nftables: no switchyard nft table (ip, ip6)");
         assert_eq!(
             normalize_ipvsadm(&listing(), |_| true),
             include_str!("testdata/vm.ipvsadm"),
