@@ -20,6 +20,8 @@ pub mod iptables;
 pub mod ipvs;
 #[cfg(test)]
 mod sctp_vm_tests;
+#[cfg(test)]
+mod vm_support;
 
 use crate::model::{Changes, DualSnapshot, IpFamily, IpNet, NodeInfo};
 

@@ -13,19 +13,16 @@
 //! backend's objects may remain.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
-use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use nix::sched::{CloneFlags, setns};
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use crate::backend::iptables::IptablesBackend;
 use crate::backend::nftables::NftablesBackend;
+use crate::backend::vm_support::{enter, in_netns, ipcmd, sh, wired_netns};
 use crate::backend::{Backend, Settings};
 use crate::model::fixtures::{self, add};
 use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot};
@@ -53,37 +50,6 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 /// The wait for a connect to a service without endpoints.
 const REFUSAL_LIMIT: Duration = Duration::from_secs(1);
 
-fn sh(args: &[&str]) -> String {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{args:?}: {text}");
-    text
-}
-
-fn ipcmd(line: &str) {
-    let args: Vec<&str> = std::iter::once("ip").chain(line.split_whitespace()).collect();
-    sh(&args);
-}
-
-fn enter(ns: &str) {
-    let file = File::open(format!("/run/netns/{ns}")).unwrap();
-    setns(file.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
-}
-
-fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            enter(ns);
-            f()
-        })
-        .join()
-        .unwrap()
-    })
-}
-
 fn sctp_socket() -> std::io::Result<Socket> {
     Socket::new(
         Domain::IPV4,
@@ -102,16 +68,7 @@ fn topology() {
         );
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
         ipcmd("link set lo up");
-        ipcmd(&format!("netns add {CLIENT}"));
-        ipcmd(&format!(
-            "link add s-client type veth peer name eth0 netns {CLIENT}"
-        ));
-        ipcmd(&format!("addr add {NODE_IP}/24 dev s-client"));
-        ipcmd("link set s-client up");
-        ipcmd(&format!("-n {CLIENT} addr add 10.0.2.2/24 dev eth0"));
-        ipcmd(&format!("-n {CLIENT} link set eth0 up"));
-        ipcmd(&format!("-n {CLIENT} link set lo up"));
-        ipcmd(&format!("-n {CLIENT} route add default via {NODE_IP}"));
+        wired_netns(CLIENT, "s-", "10.0.2.2", NODE_IP);
         // INIT is retransmitted after 200 ms instead of 3 s (see the no-endpoint check).
         in_netns(CLIENT, || {
             std::fs::write("/proc/sys/net/sctp/rto_min", "100").unwrap();
@@ -124,15 +81,7 @@ fn topology() {
         ipcmd("link set sctp-svc0 up");
         ipcmd("route add 10.96.1.0/24 dev sctp-svc0");
         for (i, (ns, addr)) in SERVERS.iter().enumerate() {
-            let net = 21 + i;
-            ipcmd(&format!("netns add {ns}"));
-            ipcmd(&format!("link add s-{ns} type veth peer name eth0 netns {ns}"));
-            ipcmd(&format!("addr add 10.244.{net}.1/24 dev s-{ns}"));
-            ipcmd(&format!("link set s-{ns} up"));
-            ipcmd(&format!("-n {ns} addr add {addr}/24 dev eth0"));
-            ipcmd(&format!("-n {ns} link set eth0 up"));
-            ipcmd(&format!("-n {ns} link set lo up"));
-            ipcmd(&format!("-n {ns} route add default via 10.244.{net}.1"));
+            wired_netns(ns, "s-", addr, &format!("10.244.{}.1", 21 + i));
             start_server(ns);
         }
     });

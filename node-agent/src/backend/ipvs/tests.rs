@@ -486,7 +486,6 @@ mod vm {
     use std::io::{BufRead, BufReader, Write};
     use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
     use std::os::fd::AsFd;
-    use std::process::Command;
     use std::sync::OnceLock;
     use std::time::{Duration, Instant};
 
@@ -494,41 +493,10 @@ mod vm {
 
     use super::*;
     use crate::backend::Backend;
+    use crate::backend::vm_support::{in_netns, ipcmd, sh, wired_netns};
 
     const IGNORE: &str = "needs the IPVS kernel: scripts/ipvs-vm.sh";
     const TIMEOUT: Duration = Duration::from_secs(3);
-
-    fn run(args: &[&str]) -> (bool, String) {
-        let out = Command::new(args[0])
-            .args(&args[1..])
-            .output()
-            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-        (out.status.success(), text)
-    }
-
-    fn sh(args: &[&str]) -> String {
-        let (ok, text) = run(args);
-        assert!(ok, "{args:?}: {text}");
-        text
-    }
-
-    fn ipcmd(line: &str) {
-        let args: Vec<&str> = std::iter::once("ip").chain(line.split_whitespace()).collect();
-        sh(&args);
-    }
-
-    fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let file = File::open(format!("/run/netns/{ns}")).unwrap();
-                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
-                f()
-            })
-            .join()
-            .unwrap()
-        })
-    }
 
     /// Builds the namespaces and starts the real servers once per process.
     fn topology() {
@@ -539,26 +507,12 @@ mod vm {
                 "VM-only test: run scripts/ipvs-vm.sh"
             );
             ipcmd("link set lo up");
-            ipcmd("netns add client");
-            ipcmd("link add d-client type veth peer name eth0 netns client");
-            ipcmd("addr add 10.0.1.1/24 dev d-client");
-            ipcmd("link set d-client up");
-            for i in 2..=9 {
+            wired_netns("client", "d-", "10.0.1.2", "10.0.1.1");
+            for i in 3..=9 {
                 ipcmd(&format!("-n client addr add 10.0.1.{i}/24 dev eth0"));
             }
-            ipcmd("-n client link set eth0 up");
-            ipcmd("-n client link set lo up");
-            ipcmd("-n client route add default via 10.0.1.1");
             for (i, (ns, addr)) in VM_REALS.iter().enumerate() {
-                let net = i + 1;
-                ipcmd(&format!("netns add {ns}"));
-                ipcmd(&format!("link add d-{ns} type veth peer name eth0 netns {ns}"));
-                ipcmd(&format!("addr add 10.244.{net}.1/24 dev d-{ns}"));
-                ipcmd(&format!("link set d-{ns} up"));
-                ipcmd(&format!("-n {ns} addr add {addr}/24 dev eth0"));
-                ipcmd(&format!("-n {ns} link set eth0 up"));
-                ipcmd(&format!("-n {ns} link set lo up"));
-                ipcmd(&format!("-n {ns} route add default via 10.244.{net}.1"));
+                wired_netns(ns, "d-", addr, &format!("10.244.{}.1", i + 1));
                 start_servers(ns);
             }
         });
