@@ -22,7 +22,7 @@ use socket2::{Domain, SockAddr, Socket, Type};
 
 use crate::backend::iptables::IptablesBackend;
 use crate::backend::nftables::NftablesBackend;
-use crate::backend::vm_support::{enter, in_netns, ipcmd, sh, wired_netns};
+use crate::backend::vm_support::{enter, in_netns, ipcmd, require_vm, sh, wired_netns};
 use crate::backend::{Backend, Settings};
 use crate::model::fixtures::{self, add};
 use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot};
@@ -62,10 +62,7 @@ fn sctp_socket() -> std::io::Result<Socket> {
 fn topology() {
     static DONE: OnceLock<()> = OnceLock::new();
     DONE.get_or_init(|| {
-        assert!(
-            std::env::var_os("SWITCHYARD_IPVS_VM").is_some(),
-            "VM-only test: run scripts/ipvs-vm.sh"
-        );
+        require_vm();
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
         ipcmd("link set lo up");
         wired_netns(CLIENT, "s-", "10.0.2.2", NODE_IP);

@@ -6,6 +6,11 @@ use std::{fs::File, os::fd::AsFd, process::Command};
 
 use nix::sched::{CloneFlags, setns};
 
+/// Fails unless running inside the VM (`scripts/ipvs-vm.sh` sets `SWITCHYARD_IPVS_VM`).
+pub fn require_vm() {
+    assert!(std::env::var_os("SWITCHYARD_IPVS_VM").is_some(), "VM-only test: run scripts/ipvs-vm.sh");
+}
+
 /// Runs `args`; returns whether it succeeded and its stdout plus stderr.
 fn run(args: &[&str]) -> (bool, String) {
     let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));

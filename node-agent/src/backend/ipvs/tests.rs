@@ -493,7 +493,7 @@ mod vm {
 
     use super::*;
     use crate::backend::Backend;
-    use crate::backend::vm_support::{in_netns, ipcmd, sh, wired_netns};
+    use crate::backend::vm_support::{in_netns, ipcmd, require_vm, sh, wired_netns};
 
     const IGNORE: &str = "needs the IPVS kernel: scripts/ipvs-vm.sh";
     const TIMEOUT: Duration = Duration::from_secs(3);
@@ -502,10 +502,7 @@ mod vm {
     fn topology() {
         static DONE: OnceLock<()> = OnceLock::new();
         DONE.get_or_init(|| {
-            assert!(
-                std::env::var_os("SWITCHYARD_IPVS_VM").is_some(),
-                "VM-only test: run scripts/ipvs-vm.sh"
-            );
+            require_vm();
             ipcmd("link set lo up");
             wired_netns("client", "d-", "10.0.1.2", "10.0.1.1");
             for i in 3..=9 {
