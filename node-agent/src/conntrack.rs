@@ -7,15 +7,17 @@
 //! destination that has endpoints must be DNATed to one of them, and no entry may remain to a
 //! destination that went away; the others are deleted, and the client's next datagram takes the
 //! current rules. Entries are judged against the programmed snapshot itself (not against a diff
-//! of endpoints), so the cleanup is right after a restart and when only a target port changed.
-//! This module decides; [`crate::sys::conntrack`] dumps and deletes.
+//! of endpoints), so the cleanup also fixes flows that started before the agent and flows whose
+//! endpoint only changed its target port. (Flows to Services deleted while the agent was down are
+//! not known to it, as for kube-proxy.) This module decides; [`crate::sys::conntrack`] dumps and
+//! deletes.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
 };
 
-use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot, categorize};
+use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot, categorize, ports_of};
 
 /// One conntrack entry, as far as the cleanup looks at it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,17 +46,19 @@ type Targets = (BTreeSet<Target>, BTreeSet<Target>);
 pub struct UdpDestinations {
     /// Service address and port (ClusterIP, external and load-balancer IPs).
     pub services: BTreeMap<(IpAddr, u16), BTreeSet<Target>>,
-    /// NodePorts, on the node's addresses.
+    /// NodePorts.
     pub node_ports: BTreeMap<u16, BTreeSet<Target>>,
-    /// The node addresses NodePorts are matched on.
-    pub node_addresses: BTreeSet<IpAddr>,
+    /// The addresses NodePorts are served on; `None`: every local address (then any destination
+    /// with a NodePort's number counts, as kube-proxy matches them).
+    pub node_port_addresses: Option<BTreeSet<IpAddr>>,
 }
 
 impl UdpDestinations {
-    /// The UDP destinations of `snapshot` as this node DNATs them.
-    pub fn of(snapshot: &Snapshot, node: &NodeInfo) -> Self {
+    /// The UDP destinations of `snapshot` as this node DNATs them; NodePorts are served on
+    /// `node_port_addresses` (`None`: every local address).
+    pub fn of(snapshot: &Snapshot, node: &NodeInfo, node_port_addresses: Option<&[IpAddr]>) -> Self {
         let mut d = UdpDestinations {
-            node_addresses: node.addresses.iter().copied().filter(|a| snapshot.family.holds(a)).collect(),
+            node_port_addresses: node_port_addresses.map(|a| a.iter().copied().collect()),
             ..Default::default()
         };
         for port in snapshot.services.values().filter(|p| p.name.protocol == Protocol::Udp) {
@@ -86,9 +90,13 @@ impl UdpDestinations {
             return !eps.contains(&target);
         }
         match self.node_ports.get(&flow.orig_dport) {
-            Some(eps) if self.node_addresses.contains(&flow.orig_dst) => !eps.contains(&target),
+            Some(eps) if self.serves_node_ports_on(&flow.orig_dst) => !eps.contains(&target),
             _ => false,
         }
+    }
+
+    fn serves_node_ports_on(&self, addr: &IpAddr) -> bool {
+        self.node_port_addresses.as_ref().is_none_or(|a| a.contains(addr))
     }
 
     /// Whether there is nothing to check (then the kernel need not be read at all).
@@ -97,13 +105,21 @@ impl UdpDestinations {
     }
 }
 
-/// The endpoints a port DNATs internal (ClusterIP) and external traffic to, as the backends do.
+/// The endpoints a port may DNAT internal (ClusterIP) and external traffic to, as the backends
+/// do. With `externalTrafficPolicy: Local`, pod and node-local traffic to external destinations
+/// still goes to any endpoint, so those flows may point at cluster endpoints too.
 fn targets(port: &ServicePort, snapshot: &Snapshot, node: &NodeInfo) -> Targets {
     let eps = snapshot.endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
     let c = categorize(eps, node);
     let set = |list: &[&crate::model::Endpoint]| list.iter().map(|e| (e.ip, e.port)).collect::<BTreeSet<_>>();
     let internal = if port.internal_policy_local { set(&c.local) } else { set(&c.cluster) };
-    let external = if port.external_policy_local { set(&c.local) } else { set(&c.cluster) };
+    let external = if port.external_policy_local && !c.local.is_empty() {
+        set(&c.local).union(&set(&c.cluster)).copied().collect()
+    } else if port.external_policy_local {
+        BTreeSet::new() // no local endpoint: external traffic is dropped, nothing to check
+    } else {
+        set(&c.cluster)
+    };
     (internal, external)
 }
 
@@ -127,7 +143,7 @@ impl Cleanup {
         }
         self.current.is_stale(flow)
             || self.gone_services.contains(&(flow.orig_dst, flow.orig_dport))
-            || (self.gone_node_ports.contains(&flow.orig_dport) && self.current.node_addresses.contains(&flow.orig_dst))
+            || (self.gone_node_ports.contains(&flow.orig_dport) && self.current.serves_node_ports_on(&flow.orig_dst))
     }
 
     /// Whether it can delete nothing.
@@ -146,22 +162,29 @@ impl Cleanup {
 /// The cleanup a sync from `old` to `new` needs, if any: when a UDP port of a changed Service
 /// gained or lost a destination or an endpoint. `None` for `old` (the agent's first sync) checks
 /// every UDP destination.
-pub fn cleanup_after(old: Option<&Snapshot>, new: &Snapshot, changes: &Changes, node: &NodeInfo) -> Option<Cleanup> {
-    let current = UdpDestinations::of(new, node);
+pub fn cleanup_after(
+    old: Option<&Snapshot>,
+    new: &Snapshot,
+    changes: &Changes,
+    node: &NodeInfo,
+    node_port_addresses: Option<&[IpAddr]>,
+) -> Option<Cleanup> {
+    let udp = |s: &Snapshot, service| -> Vec<(ServicePort, Targets)> {
+        ports_of(&s.services, service)
+            .filter(|(k, _)| k.protocol == Protocol::Udp)
+            .map(|(_, p)| (p.clone(), targets(p, s, node)))
+            .collect()
+    };
+    if let Some(old) = old
+        && !changes.services.iter().any(|service| udp(old, service) != udp(new, service))
+    {
+        return None;
+    }
+    let current = UdpDestinations::of(new, node, node_port_addresses);
     let Some(old) = old else {
         return (!current.is_empty()).then(|| Cleanup { current, ..Default::default() });
     };
-    let udp = |s: &Snapshot, service| -> Vec<(ServicePort, Targets)> {
-        s.services
-            .values()
-            .filter(|p| &p.name.service == service && p.name.protocol == Protocol::Udp)
-            .map(|p| (p.clone(), targets(p, s, node)))
-            .collect()
-    };
-    if !changes.services.iter().any(|service| udp(old, service) != udp(new, service)) {
-        return None;
-    }
-    let before = UdpDestinations::of(old, node);
+    let before = UdpDestinations::of(old, node, node_port_addresses);
     let gone_services = before.services.keys().filter(|k| !current.services.contains_key(*k)).copied().collect();
     let gone_node_ports = before.node_ports.keys().filter(|k| !current.node_ports.contains_key(*k)).copied().collect();
     Some(Cleanup { current, gone_services, gone_node_ports })
@@ -197,7 +220,8 @@ mod tests {
 
     #[test]
     fn flows_not_dnated_to_a_current_endpoint_are_stale() {
-        let d = UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Udp), &node());
+        let node_ips = [ip(10, 250, 0, 11)];
+        let d = UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Udp), &node(), Some(&node_ips));
         let (cip, ext, node_ip) = (ip(10, 96, 0, 10), ip(192, 0, 2, 1), ip(10, 250, 0, 11));
         let cases = [
             ("to the current endpoint", flow(cip, 53, ip(10, 244, 1, 12), 5353), false),
@@ -214,8 +238,49 @@ mod tests {
         }
         assert!(!d.is_stale(&Flow { protocol: 6, ..flow(cip, 53, cip, 53) }), "TCP is left to TCP");
         // Without endpoints nothing is checked: the flows are rejected, not DNATed.
-        assert!(UdpDestinations::of(&snapshot(&[], Protocol::Udp), &node()).is_empty());
-        assert!(UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Tcp), &node()).is_empty());
+        assert!(UdpDestinations::of(&snapshot(&[], Protocol::Udp), &node(), None).is_empty());
+        assert!(UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Tcp), &node(), None).is_empty());
+        // NodePorts on every local address: any destination with the NodePort's number counts.
+        let all = UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Udp), &node(), None);
+        assert!(all.is_stale(&flow(ip(10, 250, 0, 99), 30053, ip(10, 244, 1, 11), 5353)), "a secondary address");
+        assert!(!all.is_stale(&flow(ip(10, 250, 0, 99), 30053, ip(10, 244, 1, 12), 5353)));
+    }
+
+    #[test]
+    fn local_traffic_policies_allow_the_endpoints_the_backends_use() {
+        let mut s = Snapshot::default();
+        let mut port = fixtures::cluster_ip(fixtures::port_name("ns", "lb", "", Protocol::Udp), ip(10, 96, 0, 20), 53);
+        port.load_balancer_ips = vec![ip(192, 0, 2, 20)];
+        port.external_policy_local = true;
+        port.internal_policy_local = true;
+        let local = fixtures::ready(ip(10, 244, 1, 11), 5353, "n1");
+        let remote = fixtures::ready(ip(10, 244, 2, 11), 5353, "n2");
+        fixtures::add(&mut s, port, vec![local, remote]);
+        let d = UdpDestinations::of(&s, &node(), None);
+        let (cip, lb) = (ip(10, 96, 0, 20), ip(192, 0, 2, 20));
+        // ITP=Local: the ClusterIP goes to the local endpoint only.
+        assert!(!d.is_stale(&flow(cip, 53, ip(10, 244, 1, 11), 5353)));
+        assert!(d.is_stale(&flow(cip, 53, ip(10, 244, 2, 11), 5353)));
+        // ETP=Local: pods and the node reach the LB IP through any endpoint; outside clients
+        // through the local one. Both are current.
+        assert!(!d.is_stale(&flow(lb, 53, ip(10, 244, 1, 11), 5353)));
+        assert!(!d.is_stale(&flow(lb, 53, ip(10, 244, 2, 11), 5353)));
+    }
+
+    #[test]
+    fn a_cleanup_that_could_not_run_keeps_what_is_still_gone() {
+        let n = node();
+        let changed = Changes { services: [ServiceName { namespace: "ns".into(), name: "dns".into() }].into() };
+        let b = snapshot(&[(12, 5353)], Protocol::Udp);
+        let failed = cleanup_after(Some(&b), &Snapshot::default(), &changed, &n, None).expect("service deleted");
+        // Later the Service is back with the same ClusterIP: its destinations are current again.
+        let mut next = cleanup_after(Some(&Snapshot::default()), &b, &changed, &n, None).expect("service added");
+        next.merge(failed.clone());
+        assert!(next.gone_services.is_empty() && next.gone_node_ports.is_empty(), "{next:?}");
+        // Or it stays gone: the failed deletions are still wanted.
+        let mut later = Cleanup::default();
+        later.merge(failed);
+        assert!(later.is_stale(&flow(ip(10, 96, 0, 10), 53, ip(10, 244, 1, 12), 5353)));
     }
 
     #[test]
@@ -224,7 +289,7 @@ mod tests {
         let (a, b, moved) =
             (snapshot(&[(11, 5353), (12, 5353)], Protocol::Udp), snapshot(&[(12, 5353)], Protocol::Udp), snapshot(&[(12, 5354)], Protocol::Udp));
         let n = node();
-        let needed = |old: Option<&Snapshot>, new: &Snapshot, changes: &Changes| cleanup_after(old, new, changes, &n).is_some();
+        let needed = |old: Option<&Snapshot>, new: &Snapshot, changes: &Changes| cleanup_after(old, new, changes, &n, None).is_some();
         assert!(!needed(Some(&a), &a, &changed), "unchanged");
         assert!(needed(Some(&a), &b, &changed), "endpoint removed");
         assert!(needed(Some(&b), &a, &changed), "endpoint added");
@@ -234,7 +299,8 @@ mod tests {
         assert!(!needed(None, &snapshot(&[(12, 5353)], Protocol::Tcp), &Changes::default()), "nothing UDP");
 
         // A deleted Service: flows to its destinations go, wherever they were DNATed to.
-        let deleted = cleanup_after(Some(&b), &Snapshot::default(), &changed, &n).expect("cleanup");
+        let node_ips = [ip(10, 250, 0, 11)];
+        let deleted = cleanup_after(Some(&b), &Snapshot::default(), &changed, &n, Some(&node_ips)).expect("cleanup");
         let (cip, node_ip, ep) = (ip(10, 96, 0, 10), ip(10, 250, 0, 11), ip(10, 244, 1, 12));
         assert!(deleted.is_stale(&flow(cip, 53, ep, 5353)));
         assert!(deleted.is_stale(&flow(ip(192, 0, 2, 1), 53, ep, 5353)));

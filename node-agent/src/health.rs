@@ -170,10 +170,12 @@ fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
     };
     let listener = match open(Domain::IPV6, (std::net::Ipv6Addr::UNSPECIFIED, port).into()) {
         Ok(l) => l,
-        Err(e) => {
-            tracing::info!(port, error = %e, "no IPv6 health-check listener; serving IPv4 only");
+        // Only a node without IPv6 falls back; a port in use is reported, not hidden.
+        Err(e) if matches!(e.raw_os_error(), Some(code) if code == nix::errno::Errno::EAFNOSUPPORT as i32 || code == nix::errno::Errno::EADDRNOTAVAIL as i32) => {
+            tracing::info!(port, error = %e, "no IPv6 on this node; health-check port on IPv4 only");
             open(Domain::IPV4, (std::net::Ipv4Addr::UNSPECIFIED, port).into())?
         }
+        Err(e) => return Err(e),
     };
     tokio::net::TcpListener::from_std(listener)
 }

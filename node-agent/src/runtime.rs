@@ -86,10 +86,21 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
         .and_then(|n| n.metadata.labels.as_ref())
         .and_then(|l| l.get("topology.kubernetes.io/zone"))
         .cloned();
+    // Per family, as kube-proxy: `primary` restricts the families the Node has addresses of; CIDRs
+    // restrict the families they are of (to the node addresses inside them, possibly none).
     let node_port_addresses = match &config.node_port_addresses {
-        NodePortAddresses::All => None,
-        NodePortAddresses::Primary => Some(addresses.clone()),
-        NodePortAddresses::Cidrs(cidrs) => Some(addresses.iter().filter(|a| cidrs.iter().any(|c| c.contains(*a))).copied().collect()),
+        NodePortAddresses::All => backend::NodePortIps::default(),
+        NodePortAddresses::Primary => backend::NodePortIps::of_addresses(&addresses),
+        NodePortAddresses::Cidrs(cidrs) => {
+            let mut ips = backend::NodePortIps::default();
+            for family in crate::model::IpFamily::ALL {
+                let of_family: Vec<&IpNet> = cidrs.iter().filter(|c| crate::model::IpFamily::of_net(c) == family).collect();
+                if !of_family.is_empty() {
+                    ips.restrict(family, addresses.iter().filter(|a| of_family.iter().any(|c| c.contains(*a))).copied().collect());
+                }
+            }
+            ips
+        }
     };
     Settings {
         node: NodeInfo { name: config.node_name.clone(), addresses, zone },
@@ -495,13 +506,14 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         let mut cleanups: Vec<(crate::model::IpFamily, crate::conntrack::Cleanup)> = Vec::new();
         for family in crate::model::IpFamily::ALL {
             let old = programmed.as_ref().map(|p| p.get(family));
-            let planned = crate::conntrack::cleanup_after(old, snapshot.get(family), &compared, &settings.node);
+            let node_ports = settings.node_port_addresses.of(family);
+            let planned = crate::conntrack::cleanup_after(old, snapshot.get(family), &compared, &settings.node, node_ports);
             let carried = unfinished_cleanups.remove(&family);
             match (planned, carried) {
                 (planned, Some(carried)) => {
                     // Judged against what is programmed now, not when it was planned.
                     let mut c = planned.unwrap_or_else(|| crate::conntrack::Cleanup {
-                        current: crate::conntrack::UdpDestinations::of(snapshot.get(family), &settings.node),
+                        current: crate::conntrack::UdpDestinations::of(snapshot.get(family), &settings.node, node_ports),
                         ..Default::default()
                     });
                     c.merge(carried);

@@ -35,9 +35,8 @@ pub struct Settings {
     pub cluster_cidrs: Vec<IpNet>,
     /// Masquerade all service traffic.
     pub masquerade_all: bool,
-    /// NodePort addresses: `None` = every local address; otherwise these addresses (both
-    /// families; each family's rules use its own).
-    pub node_port_addresses: Option<Vec<std::net::IpAddr>>,
+    /// Where NodePorts are served, per family.
+    pub node_port_addresses: NodePortIps,
     /// The fwmark bit used to request masquerade.
     pub masquerade_mark: u32,
     /// IPVS mode: scheduler, strictARP, excluded CIDRs.
@@ -50,7 +49,7 @@ impl Default for Settings {
             node: NodeInfo::default(),
             cluster_cidrs: Vec::new(),
             masquerade_all: false,
-            node_port_addresses: None,
+            node_port_addresses: NodePortIps::default(),
             masquerade_mark: 0x4000,
             ipvs: ipvs::IpvsOptions::default(),
         }
@@ -63,14 +62,39 @@ impl Settings {
         self.cluster_cidrs.iter().copied().find(|n| IpFamily::of_net(n) == family)
     }
 
-    /// The NodePort addresses of `family`: `None` for every local address, which is also what a
-    /// family gets when the configured list has none of its addresses (as kube-proxy's
-    /// `nodePortAddresses` falls back per family), so a Node listing only an IPv4 InternalIP still
-    /// serves NodePorts over IPv6.
+    /// The NodePort addresses of `family`: `None` for every local address.
     pub fn node_port_addresses(&self, family: IpFamily) -> Option<Vec<std::net::IpAddr>> {
-        let of_family: Vec<std::net::IpAddr> =
-            self.node_port_addresses.as_ref()?.iter().copied().filter(|a| family.holds(a)).collect();
-        (!of_family.is_empty()).then_some(of_family)
+        self.node_port_addresses.of(family).map(<[std::net::IpAddr]>::to_vec)
+    }
+}
+
+/// The addresses NodePorts are served on, per family; a family without an entry serves them on
+/// every local address (as kube-proxy's `nodePortAddresses`, whose families without a CIDR match
+/// everything), a family with an empty entry on none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodePortIps {
+    by_family: std::collections::BTreeMap<IpFamily, Vec<std::net::IpAddr>>,
+}
+
+impl NodePortIps {
+    /// NodePorts on exactly `addresses` in their families, and on every address of a family none
+    /// of them belongs to.
+    pub fn of_addresses(addresses: &[std::net::IpAddr]) -> Self {
+        let mut ips = Self::default();
+        for a in addresses {
+            ips.by_family.entry(IpFamily::of(a)).or_default().push(*a);
+        }
+        ips
+    }
+
+    /// Restricts `family`'s NodePorts to `addresses` (none when empty).
+    pub fn restrict(&mut self, family: IpFamily, addresses: Vec<std::net::IpAddr>) {
+        self.by_family.insert(family, addresses);
+    }
+
+    /// The addresses of `family`, or `None` for every local address.
+    pub fn of(&self, family: IpFamily) -> Option<&[std::net::IpAddr]> {
+        self.by_family.get(&family).map(Vec::as_slice)
     }
 }
 
@@ -126,31 +150,30 @@ pub fn fast_reject(family: IpFamily) -> (crate::model::Protocol, FastReject) {
     }
 }
 
-/// How a backend treats the sync results of one family. IPv4 must always work. IPv6 is optional
-/// until it has worked once: on a node without IPv6 (no `ip6tables`, IPv6 disabled) its failures
-/// are logged once and the node serves IPv4, as kube-proxy runs single-stack there; once IPv6 has
-/// synced, its failures are errors like IPv4's.
+/// How a backend treats the sync results of one family. IPv4 must always work. IPv6 failures are
+/// tolerated only where IPv6 is unavailable — its tools are missing ([`BackendError::ToolMissing`])
+/// or the network namespace has no IPv6 — so a node without IPv6 serves IPv4, as kube-proxy runs
+/// single-stack there (logged once; retried with every sync). Anywhere else they are errors.
 #[derive(Debug, Default)]
 pub struct FamilyResults {
-    synced_once: bool,
     warned: bool,
 }
 
 impl FamilyResults {
-    /// Passes on `result` of a sync of `family`, or turns a tolerated IPv6 failure into empty stats.
-    pub fn check(&mut self, family: IpFamily, result: Result<SyncStats, BackendError>) -> Result<SyncStats, BackendError> {
+    /// Passes on `result` of a sync of `family`: `Ok(Some(stats))`, `Ok(None)` for a tolerated
+    /// IPv6 failure (left out of the sync's stats), or the error.
+    pub fn check(&mut self, family: IpFamily, result: Result<SyncStats, BackendError>) -> Result<Option<SyncStats>, BackendError> {
         match result {
             Ok(stats) => {
-                self.synced_once = true;
                 self.warned = false;
-                Ok(stats)
+                Ok(Some(stats))
             }
-            Err(e) if family == IpFamily::V6 && !self.synced_once => {
+            Err(e) if family == IpFamily::V6 && (matches!(e, BackendError::ToolMissing { .. }) || !crate::sys::host::ipv6_enabled()) => {
                 if !self.warned {
-                    tracing::warn!(error = %e, "IPv6 rules could not be programmed on this node; serving IPv4 only, retrying with every sync");
+                    tracing::warn!(error = %e, "IPv6 is unavailable on this node; serving IPv4 only, retrying with every sync");
                     self.warned = true;
                 }
-                Ok(SyncStats::default())
+                Ok(None)
             }
             Err(e) => Err(e),
         }
@@ -166,6 +189,16 @@ pub enum BackendError {
         /// Backend name.
         backend: &'static str,
         /// What the kernel said.
+        detail: String,
+    },
+    /// A userspace tool is not installed (or cannot be started).
+    #[error("{backend}: cannot run {command}: {detail}")]
+    ToolMissing {
+        /// Backend name.
+        backend: &'static str,
+        /// The command.
+        command: String,
+        /// Why it could not start.
         detail: String,
     },
     /// A userspace tool failed.
@@ -257,14 +290,16 @@ mod tests {
     }
 
     #[test]
-    fn ipv6_failures_are_tolerated_only_until_ipv6_has_worked() {
+    fn ipv6_failures_are_tolerated_only_where_ipv6_is_unavailable() {
+        let missing = || Err(BackendError::ToolMissing { backend: "test", command: "ip6tables-restore".into(), detail: "not found".into() });
         let mut v4 = FamilyResults::default();
-        assert!(v4.check(IpFamily::V4, failure()).is_err(), "IPv4 must always work");
+        assert!(v4.check(IpFamily::V4, missing()).is_err(), "IPv4 must always work");
         let mut v6 = FamilyResults::default();
-        assert_eq!(v6.check(IpFamily::V6, failure()).ok(), Some(SyncStats::default()), "a node without IPv6 serves IPv4");
-        assert!(v6.check(IpFamily::V6, failure()).is_ok());
+        assert_eq!(v6.check(IpFamily::V6, missing()).ok(), Some(None), "no ip6tables: the node serves IPv4");
         let stats = SyncStats { full: true, services: 3, ..Default::default() };
-        assert_eq!(v6.check(IpFamily::V6, Ok(stats.clone())).ok(), Some(stats));
-        assert!(v6.check(IpFamily::V6, failure()).is_err(), "once IPv6 worked, its failures are errors");
+        assert_eq!(v6.check(IpFamily::V6, Ok(stats.clone())).ok(), Some(Some(stats)));
+        // This test runs where IPv6 exists: a kernel refusal is an error, not a missing family.
+        assert!(crate::sys::host::ipv6_enabled());
+        assert!(v6.check(IpFamily::V6, failure()).is_err());
     }
 }

@@ -227,6 +227,16 @@ impl Snapshot {
     }
 }
 
+/// The entries of one Service in a map keyed by service port, by range (the key orders by
+/// Service first), so looking at changed Services costs O(changed ports), not O(all ports).
+pub fn ports_of<'a, V>(
+    map: &'a BTreeMap<ServicePortName, V>,
+    service: &'a ServiceName,
+) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> + 'a {
+    let first = ServicePortName { service: service.clone(), port_name: String::new(), protocol: Protocol::Tcp };
+    map.range(first..).take_while(move |(k, _)| &k.service == service)
+}
+
 /// What a sync programs: one [`Snapshot`] per family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DualSnapshot {

@@ -82,8 +82,13 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
     let header = [family.nfproto(), 0, 0, 0];
     let dump = MessageBuilder::new(kind(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, 1, &header).finish();
     let replies: Vec<Reply> = transport.dump(&dump)?;
+    if let Some(errno) = replies.iter().filter_map(|r| r.error).find(|e| *e != 0) {
+        return Err(crate::Error::Netlink { op: "dump conntrack", source: std::io::Error::from_raw_os_error(-errno) });
+    }
+    // Each failing delete is answered with its whole request: room for a chunk of them.
+    transport.size_buffers(64 << 10, 4 << 20)?;
     let mut deletes: Vec<Vec<u8>> = Vec::new();
-    for reply in replies.iter().filter(|r| r.error.is_none()) {
+    for reply in &replies {
         let Some((flow, orig)) = parse_entry(&reply.payload) else { continue };
         if !cleanup.is_stale(&flow) {
             continue;

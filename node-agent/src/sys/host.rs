@@ -30,3 +30,8 @@ pub fn ipvs_scheduler_modules(release: &str) -> Vec<String> {
     }
     names
 }
+
+/// Whether this network namespace has IPv6 (`/proc/net/if_inet6` exists unless IPv6 is disabled).
+pub fn ipv6_enabled() -> bool {
+    std::path::Path::new("/proc/net/if_inet6").exists()
+}

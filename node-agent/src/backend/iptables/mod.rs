@@ -114,6 +114,9 @@ pub const JUMP_RULES: [JumpRule; 12] = {
 
 impl From<IptablesError> for BackendError {
     fn from(e: IptablesError) -> Self {
+        if matches!(e, IptablesError::Spawn { .. }) {
+            return BackendError::ToolMissing { backend: BACKEND, command: e.command().to_owned(), detail: e.detail() };
+        }
         BackendError::Command {
             backend: BACKEND,
             command: e.command().to_owned(),
@@ -301,8 +304,13 @@ impl FamilyTables {
         self.needs_full = true;
         let (filter, nat) = match (self.ipt.save(Table::Filter), self.ipt.save(Table::Nat)) {
             (Ok(filter), Ok(nat)) => (own_chains(&filter), own_chains(&nat)),
-            // Without the IPv6 tools or kernel tables there is nothing of ours in ip6tables.
-            (Err(_), _) | (_, Err(_)) if self.ipt.family() == IpFamily::V6 => return Ok(()),
+            // Without the IPv6 tools, or without IPv6, there is nothing of ours in ip6tables.
+            (Err(e), _) | (_, Err(e))
+                if self.ipt.family() == IpFamily::V6
+                    && (matches!(e, IptablesError::Spawn { .. }) || !crate::sys::host::ipv6_enabled()) =>
+            {
+                return Ok(());
+            }
             (Err(e), _) | (_, Err(e)) => return Err(e.into()),
         };
         // A jump rule can only exist while its target chain does (and `-C` fails without it).
@@ -369,7 +377,8 @@ impl Backend for IptablesBackend {
             let family_snapshot = snapshot.get(family);
             let result = tables.sync(&self.settings, self.bypassed, family_snapshot, changes, full);
             match tables.results.check(family, result) {
-                Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                Ok(Some(stats)) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                Ok(None) => {}
                 Err(e) => {
                     // The other family may have missed these changes too: both go full next time.
                     for other in &mut self.families {

@@ -207,7 +207,7 @@ fn variant_settings() -> Settings {
     Settings {
         cluster_cidrs: Vec::new(),
         masquerade_all: true,
-        node_port_addresses: Some(vec![ip("192.168.0.10"), ip("192.168.1.10")]),
+        node_port_addresses: crate::backend::NodePortIps::of_addresses(&[ip("192.168.0.10"), ip("192.168.1.10")]),
         ..settings()
     }
 }

@@ -430,7 +430,7 @@ fn vm_settings(scheduler: &str) -> Settings {
             zone: None,
         },
         cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
-        node_port_addresses: Some(vec![ip(VM_NODE_IP).into()]),
+        node_port_addresses: crate::backend::NodePortIps::of_addresses(&[ip(VM_NODE_IP).into()]),
         ..Settings::default()
     };
     s.ipvs.scheduler = scheduler.into();

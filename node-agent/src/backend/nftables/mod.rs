@@ -23,7 +23,7 @@ use switchyard_crds::v1alpha1::ProxyMode;
 
 use super::{Backend, BackendError, FamilyResults, Settings, SyncStats};
 use crate::{
-    model::{Changes, DualSnapshot, IpFamily, ServiceName, ServicePortName, Snapshot},
+    model::{Changes, DualSnapshot, IpFamily, ServiceName, ServicePortName, Snapshot, ports_of},
     sys,
 };
 
@@ -55,16 +55,6 @@ struct Table {
     programmed: bool,
     /// Whether this family has worked on this node (see [`FamilyResults`]).
     results: FamilyResults,
-}
-
-/// The entries of one Service in a map keyed by service port, by range (the key orders by
-/// Service first), so a partial sync costs O(changed ports), not O(all ports).
-fn ports_of<'a, V>(
-    map: &'a BTreeMap<ServicePortName, V>,
-    service: &'a ServiceName,
-) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> + 'a {
-    let first = ServicePortName { service: service.clone(), port_name: String::new(), protocol: crate::model::Protocol::Tcp };
-    map.range(first..).take_while(move |(k, _)| &k.service == service)
 }
 
 fn kernel(detail: String) -> BackendError {
@@ -445,7 +435,8 @@ impl Backend for NftablesBackend {
             let family_snapshot = snapshot.get(table.family);
             let result = table.sync(&self.settings, self.bypassed, family_snapshot, changes, full);
             match table.results.check(table.family, result) {
-                Ok(stats) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                Ok(Some(stats)) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
+                Ok(None) => {}
                 Err(e) => {
                     // The other table may have missed these changes too: both go full next time.
                     for other in &mut self.tables {

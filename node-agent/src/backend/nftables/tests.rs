@@ -91,7 +91,7 @@ fn settings() -> Settings {
         },
         cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr"), "fd00:10:244::/48".parse().expect("cidr")],
         masquerade_all: false,
-        node_port_addresses: None,
+        node_port_addresses: Default::default(),
         masquerade_mark: 0x4000,
         ipvs: Default::default(),
     }
