@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::{
     genl::find_attr,
-    netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Reply, Transport},
+    netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Transport},
 };
 use crate::{
     Result,
@@ -81,17 +81,17 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
     let header = [family.nfproto(), 0, 0, 0];
     let dump = MessageBuilder::new(kind(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, 1, &header).finish();
-    let replies: Vec<Reply> = transport.dump(&dump)?;
-    if let Some(errno) = replies.iter().filter_map(|r| r.error).find(|e| *e != 0) {
-        return Err(crate::Error::Netlink { op: "dump conntrack", source: std::io::Error::from_raw_os_error(-errno) });
-    }
-    // Each failing delete is answered with its whole request: room for a chunk of them.
-    transport.size_buffers(64 << 10, 4 << 20)?;
+    // Only the deletes are kept: the dump itself is looked at one entry at a time.
     let mut deletes: Vec<Vec<u8>> = Vec::new();
-    for reply in &replies {
-        let Some((flow, orig)) = parse_entry(&reply.payload) else { continue };
+    let mut dump_error = None;
+    transport.dump_each(&dump, |reply| {
+        if let Some(errno) = reply.error.filter(|e| *e != 0) {
+            dump_error.get_or_insert(errno);
+            return;
+        }
+        let Some((flow, orig)) = parse_entry(&reply.payload) else { return };
         if !cleanup.is_stale(&flow) {
-            continue;
+            return;
         }
         let seq = deletes.len() as u32 + 1;
         let mut msg = MessageBuilder::new(kind(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK, seq, &header)
@@ -100,7 +100,12 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
             msg = msg.attr(CTA_ZONE, zone);
         }
         deletes.push(msg.finish());
+    })?;
+    if let Some(errno) = dump_error {
+        return Err(crate::Error::Netlink { op: "dump conntrack", source: std::io::Error::from_raw_os_error(-errno) });
     }
+    // Each failing delete is answered with its whole request: room for a chunk of them.
+    transport.size_buffers(64 << 10, 4 << 20)?;
     let mut deleted = 0;
     for chunk in deletes.chunks(DELETES_PER_REQUEST) {
         let seqs: Vec<u32> = chunk.iter().map(|m| u32::from_ne_bytes([m[8], m[9], m[10], m[11]])).collect();

@@ -142,10 +142,17 @@ impl Transport {
 
     /// Sends a dump request and collects every reply until `NLMSG_DONE` or an error.
     pub fn dump(&self, request: &[u8]) -> Result<Vec<Reply>> {
+        let mut replies = Vec::new();
+        self.dump_each(request, |r| replies.push(r))?;
+        Ok(replies)
+    }
+
+    /// Sends a dump request and hands every reply (errors included, `NLMSG_DONE` not) to `each`
+    /// as it arrives, so a large dump (a conntrack table) is never held in memory whole.
+    pub fn dump_each(&self, request: &[u8], mut each: impl FnMut(Reply)) -> Result<()> {
         self.socket
             .send(request, 0)
             .map_err(|source| Error::Netlink { op: "send", source })?;
-        let mut replies = Vec::new();
         for _ in 0..1_000_000 {
             let (data, _) = self
                 .socket
@@ -153,12 +160,12 @@ impl Transport {
                 .map_err(|source| Error::Netlink { op: "receive", source })?;
             let batch = parse_replies(&data);
             let done = batch.is_empty() || batch.iter().any(|r| r.kind == NLMSG_DONE || r.error.is_some());
-            replies.extend(batch.into_iter().filter(|r| r.kind != NLMSG_DONE));
+            batch.into_iter().filter(|r| r.kind != NLMSG_DONE).for_each(&mut each);
             if done {
                 break;
             }
         }
-        Ok(replies)
+        Ok(())
     }
 
     /// Sends `request` and collects replies until every sequence number in `acks` has been
