@@ -88,6 +88,20 @@ impl Protocol {
         }
     }
 
+    /// From an IP protocol number.
+    pub fn from_number(n: u8) -> Option<Self> {
+        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp].into_iter().find(|p| p.number() == n)
+    }
+
+    /// The Kubernetes spelling (`TCP`, `UDP`, `SCTP`), which is also how ipvsadm prints it.
+    pub fn k8s_name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+
     /// Lowercase name, as nft and iptables print it.
     pub fn as_str(self) -> &'static str {
         match self {

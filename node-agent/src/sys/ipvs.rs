@@ -141,46 +141,8 @@ pub enum IpvsError {
     },
 }
 
-/// Transport protocol of a virtual service.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Protocol {
-    /// TCP (6).
-    Tcp,
-    /// UDP (17).
-    Udp,
-    /// SCTP (132).
-    Sctp,
-}
-
-impl Protocol {
-    /// The IP protocol number.
-    pub fn number(self) -> u16 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-            Protocol::Sctp => 132,
-        }
-    }
-
-    /// From an IP protocol number.
-    pub fn from_number(n: u16) -> Option<Self> {
-        match n {
-            6 => Some(Protocol::Tcp),
-            17 => Some(Protocol::Udp),
-            132 => Some(Protocol::Sctp),
-            _ => None,
-        }
-    }
-
-    /// `TCP` / `UDP` / `SCTP`, as ipvsadm prints it.
-    pub fn ipvsadm_name(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "TCP",
-            Protocol::Udp => "UDP",
-            Protocol::Sctp => "SCTP",
-        }
-    }
-}
+/// Transport protocol of a virtual service: the model's.
+pub use crate::model::Protocol;
 
 /// Identity of a virtual service we can manage: protocol, address and port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -196,8 +158,8 @@ pub struct VirtualAddr {
 impl std::fmt::Display for VirtualAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.addr {
-            IpAddr::V4(a) => write!(f, "{} {a}:{}", self.protocol.ipvsadm_name(), self.port),
-            IpAddr::V6(a) => write!(f, "{} [{a}]:{}", self.protocol.ipvsadm_name(), self.port),
+            IpAddr::V4(a) => write!(f, "{} {a}:{}", self.protocol.k8s_name(), self.port),
+            IpAddr::V6(a) => write!(f, "{} [{a}]:{}", self.protocol.k8s_name(), self.port),
         }
     }
 }
@@ -332,7 +294,7 @@ pub fn service_id_attrs(addr: &VirtualAddr) -> Vec<u8> {
     put_attr(
         &mut out,
         svc_attr::PROTOCOL,
-        &addr.protocol.number().to_ne_bytes(),
+        &u16::from(addr.protocol.number()).to_ne_bytes(),
     );
     put_attr(&mut out, svc_attr::ADDR, &addr16(addr.addr));
     put_attr(&mut out, svc_attr::PORT, &addr.port.to_be_bytes());
@@ -514,7 +476,7 @@ pub fn parse_service(nested: &[u8]) -> Option<(ServiceKey, Option<Service>)> {
             None,
         ));
     };
-    let Some(protocol) = Protocol::from_number(proto) else {
+    let Some(protocol) = u8::try_from(proto).ok().and_then(Protocol::from_number) else {
         return Some((ServiceKey::Foreign(format!("proto {proto} {ip}:{port}")), None));
     };
     let vaddr = VirtualAddr {

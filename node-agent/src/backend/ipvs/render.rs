@@ -455,7 +455,7 @@ fn service_line(svc: &ipvs::Service) -> String {
         IpAddr::V4(a) => format!("{a}:{}", svc.addr.port),
         IpAddr::V6(a) => format!("[{a}]:{}", svc.addr.port),
     };
-    let mut line = format!("{}  {addr} {}", svc.addr.protocol.ipvsadm_name(), svc.scheduler);
+    let mut line = format!("{}  {addr} {}", svc.addr.protocol.k8s_name(), svc.scheduler);
     if svc.flags & FLAG_SCHED2 != 0 && (svc.scheduler == "mh" || svc.scheduler == "sh") {
         line.push_str(&format!(" ({}-port)", svc.scheduler));
     }
@@ -532,14 +532,6 @@ pub fn normalize_ipvsadm(text: &str, keep: impl Fn(&str) -> bool) -> String {
 fn parse_sock(s: &str) -> Option<(IpAddr, u16)> {
     let sock: std::net::SocketAddr = s.parse().ok()?;
     Some((sock.ip(), sock.port()))
-}
-
-fn ipvs_protocol(p: Protocol) -> ipvs::Protocol {
-    match p {
-        Protocol::Tcp => ipvs::Protocol::Tcp,
-        Protocol::Udp => ipvs::Protocol::Udp,
-        Protocol::Sctp => ipvs::Protocol::Sctp,
-    }
 }
 
 /// Renders `snapshot` for a node whose NodePort virtual servers go on `node_port_ips`.
@@ -638,7 +630,7 @@ fn render_service(
     let node_addrs = &settings.node.addresses;
     let mut vs = |addr: Ipv4Addr, port: u16, reals: &BTreeSet<(Ipv4Addr, u16)>| {
         let key = VirtualAddr {
-            protocol: ipvs_protocol(proto),
+            protocol: proto,
             addr: IpAddr::V4(addr),
             port,
         };
