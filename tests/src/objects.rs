@@ -25,17 +25,25 @@ pub struct Ep {
     pub serving: bool,
     /// Terminating.
     pub terminating: bool,
+    /// Topology hint: the zone this endpoint is meant for (`hints.forZones`).
+    pub zone_hint: Option<String>,
 }
 
 impl Ep {
     /// A ready endpoint.
     pub fn ready(ip: impl ToString, node: &str) -> Self {
-        Self { ip: ip.to_string(), node: node.into(), ready: true, serving: true, terminating: false }
+        Self { ip: ip.to_string(), node: node.into(), ready: true, serving: true, terminating: false, zone_hint: None }
+    }
+
+    /// The same endpoint, hinted for `zone` (topology-aware routing).
+    pub fn for_zone(mut self, zone: &str) -> Self {
+        self.zone_hint = Some(zone.into());
+        self
     }
 
     /// A terminating endpoint that still serves.
     pub fn terminating(ip: impl ToString, node: &str) -> Self {
-        Self { ip: ip.to_string(), node: node.into(), ready: false, serving: true, terminating: true }
+        Self { ip: ip.to_string(), node: node.into(), ready: false, serving: true, terminating: true, zone_hint: None }
     }
 }
 
@@ -102,10 +110,16 @@ async fn put_slice(client: &Client, service: &str, name: &str, family: Family, p
         "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": service}},
         "addressType": family.k8s_name(),
         "ports": ports.iter().map(|(n, p, proto)| json!({"name": n, "port": p, "protocol": proto})).collect::<Vec<_>>(),
-        "endpoints": eps.iter().map(|e| json!({
-            "addresses": [e.ip], "nodeName": e.node,
-            "conditions": {"ready": e.ready, "serving": e.serving, "terminating": e.terminating},
-        })).collect::<Vec<_>>(),
+        "endpoints": eps.iter().map(|e| {
+            let mut ep = json!({
+                "addresses": [e.ip], "nodeName": e.node,
+                "conditions": {"ready": e.ready, "serving": e.serving, "terminating": e.terminating},
+            });
+            if let Some(zone) = &e.zone_hint {
+                ep["hints"] = json!({"forZones": [{"name": zone}]});
+            }
+            ep
+        }).collect::<Vec<_>>(),
     });
     Ok(api.patch(name, &pp(), &Patch::Apply(&body)).await?)
 }
