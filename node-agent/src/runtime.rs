@@ -523,7 +523,7 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
                 (None, None) => {}
             }
         }
-        let (result, owned, unfinished) = tokio::task::spawn_blocking(move || {
+        let (result, owned, unfinished, snap) = tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let r = owned.sync(&snap, &changes, full);
             let took = started.elapsed();
@@ -542,7 +542,7 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             } else {
                 unfinished = cleanups;
             }
-            (r.map(|s| (s, took)), owned, unfinished)
+            (r.map(|s| (s, took)), owned, unfinished, snap)
         })
         .await
         .map_err(|e| Error::Config(format!("sync task: {e}")))?;
@@ -552,7 +552,8 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         match result {
             Ok((stats, took)) => {
                 need_full = false;
-                programmed = Some(snapshot.clone());
+                // The task's copy comes back: no second clone of the whole state per sync.
+                programmed = Some(snap);
                 if stats.full {
                     last_full = Instant::now();
                     shared.metrics.sync_full_duration.observe(took.as_secs_f64());

@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 use switchyard_crds::v1alpha1::ProxyMode;
 
 use crate::backend::{Backend, BackendError, FamilyResults, Settings, SyncStats};
-use crate::model::{Changes, DualSnapshot, IpFamily, ServiceName, Snapshot};
+use crate::model::{Changes, DualSnapshot, IpFamily, ServiceName, Snapshot, ports_of};
 use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
 
 use render::{CHAIN_PREFIX, EXTERNAL_SERVICES, FORWARD, NODEPORTS, POSTROUTING, PROXY_FIREWALL, SERVICES};
@@ -236,7 +236,7 @@ impl FamilyTables {
         } else {
             (self.filter_chains.clone(), self.nat_chains.clone(), (Vec::new(), Vec::new()))
         };
-        let in_snapshot = |s: &ServiceName| snapshot.services.keys().any(|k| &k.service == s);
+        let in_snapshot = |s: &ServiceName| ports_of(&snapshot.services, s).next().is_some();
         if !full && !changes.services.iter().any(|s| in_snapshot(s) || self.services.contains(s)) {
             // Nothing of this family changed (e.g. an IPv4-only Service, seen from ip6tables).
             return Ok(SyncStats::default());
@@ -270,7 +270,17 @@ impl FamilyTables {
         let objects = rendered.objects() + stale_filter.len() + stale_nat.len() + jumps.0.len() + jumps.1.len();
         self.filter_chains = rendered.filter_chains.clone();
         self.nat_chains = rendered.nat_chains.clone();
-        self.services = snapshot.services.keys().map(|k| k.service.clone()).collect();
+        if full {
+            self.services = snapshot.services.keys().map(|k| k.service.clone()).collect();
+        } else {
+            for service in &changes.services {
+                if in_snapshot(service) {
+                    self.services.insert(service.clone());
+                } else {
+                    self.services.remove(service);
+                }
+            }
+        }
         Ok(SyncStats {
             full,
             services: rendered.services,
