@@ -266,6 +266,11 @@ impl ControlPlane {
     pub fn install_crds(&self) -> Result<()> {
         let dir = binaries::workspace_root().join("config/crd");
         self.kubectl_ok(&["apply", "--server-side", "-k", &dir.display().to_string()], None)?;
+        self.wait_crds_established()
+    }
+
+    /// Waits until Switchyard's CRDs are established (however they were installed).
+    pub fn wait_crds_established(&self) -> Result<()> {
         self.kubectl_ok(
             &[
                 "wait",

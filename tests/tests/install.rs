@@ -388,17 +388,7 @@ async fn helm_install_and_the_charts_rbac() {
     ] {
         assert!(listed.contains(want), "{want} missing:\n{listed}");
     }
-    cp.kubectl_ok(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/proxypolicies.switchyard.dev",
-            "crd/nodeproxies.switchyard.dev",
-        ],
-        None,
-    )
-    .expect("CRDs from the chart's crds/");
+    cp.wait_crds_established().expect("CRDs from the chart's crds/");
 
     let admin = cp.admin_client().await.expect("admin");
     for n in ["node-1", "node-2"] {
