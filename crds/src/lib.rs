@@ -48,7 +48,11 @@ fn unwrap_descriptions(value: &mut serde_json::Value) {
             for (key, v) in map.iter_mut() {
                 match v {
                     serde_json::Value::String(text) if key == "description" => {
-                        *text = text.split("\n\n").map(|p| p.split('\n').map(str::trim).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n\n");
+                        *text = text
+                            .split("\n\n")
+                            .map(|p| p.split('\n').map(str::trim).collect::<Vec<_>>().join(" "))
+                            .collect::<Vec<_>>()
+                            .join("\n\n");
                     }
                     _ => unwrap_descriptions(v),
                 }
@@ -68,10 +72,19 @@ pub fn crd_yaml() -> Result<Vec<(String, String)>> {
     crds.into_iter()
         .map(|crd| {
             let name = crd.metadata.name.clone().unwrap_or_default();
-            let mut value = serde_json::to_value(&crd).map_err(|e| Error::Json { name: name.clone(), source: e })?;
+            let mut value = serde_json::to_value(&crd).map_err(|e| Error::Json {
+                name: name.clone(),
+                source: e,
+            })?;
             unwrap_descriptions(&mut value);
-            let body = serde_yaml::to_string(&value).map_err(|source| Error::Yaml { name: name.clone(), source })?;
-            Ok((format!("{name}.yaml"), format!("{}\n{body}", consts::GENERATED_HEADER)))
+            let body = serde_yaml::to_string(&value).map_err(|source| Error::Yaml {
+                name: name.clone(),
+                source,
+            })?;
+            Ok((
+                format!("{name}.yaml"),
+                format!("{}\n{body}", consts::GENERATED_HEADER),
+            ))
         })
         .collect()
 }

@@ -61,7 +61,11 @@ impl UdpDestinations {
             node_port_addresses: node_port_addresses.map(|a| a.iter().copied().collect()),
             ..Default::default()
         };
-        for port in snapshot.services.values().filter(|p| p.name.protocol == Protocol::Udp) {
+        for port in snapshot
+            .services
+            .values()
+            .filter(|p| p.name.protocol == Protocol::Udp)
+        {
             let (internal, external) = targets(port, snapshot, node);
             if !internal.is_empty() {
                 d.services.insert((port.cluster_ip, port.port), internal);
@@ -109,10 +113,18 @@ impl UdpDestinations {
 /// do. With `externalTrafficPolicy: Local`, pod and node-local traffic to external destinations
 /// still goes to any endpoint, so those flows may point at cluster endpoints too.
 fn targets(port: &ServicePort, snapshot: &Snapshot, node: &NodeInfo) -> Targets {
-    let eps = snapshot.endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
+    let eps = snapshot
+        .endpoints
+        .get(&port.name)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     let c = categorize(eps, node);
     let set = |list: &[&crate::model::Endpoint]| list.iter().map(|e| (e.ip, e.port)).collect::<BTreeSet<_>>();
-    let internal = if port.internal_policy_local { set(&c.local) } else { set(&c.cluster) };
+    let internal = if port.internal_policy_local {
+        set(&c.local)
+    } else {
+        set(&c.cluster)
+    };
     let external = if port.external_policy_local && !c.local.is_empty() {
         set(&c.local).union(&set(&c.cluster)).copied().collect()
     } else if port.external_policy_local {
@@ -143,7 +155,8 @@ impl Cleanup {
         }
         self.current.is_stale(flow)
             || self.gone_services.contains(&(flow.orig_dst, flow.orig_dport))
-            || (self.gone_node_ports.contains(&flow.orig_dport) && self.current.serves_node_ports_on(&flow.orig_dst))
+            || (self.gone_node_ports.contains(&flow.orig_dport)
+                && self.current.serves_node_ports_on(&flow.orig_dst))
     }
 
     /// Whether it can delete nothing.
@@ -154,8 +167,18 @@ impl Cleanup {
     /// Merges a cleanup that could not run into this newer one: its destinations that are still
     /// gone stay gone; what it knew of current destinations is replaced by this one's.
     pub fn merge(&mut self, older: Cleanup) {
-        self.gone_services.extend(older.gone_services.into_iter().filter(|d| !self.current.services.contains_key(d)));
-        self.gone_node_ports.extend(older.gone_node_ports.into_iter().filter(|p| !self.current.node_ports.contains_key(p)));
+        self.gone_services.extend(
+            older
+                .gone_services
+                .into_iter()
+                .filter(|d| !self.current.services.contains_key(d)),
+        );
+        self.gone_node_ports.extend(
+            older
+                .gone_node_ports
+                .into_iter()
+                .filter(|p| !self.current.node_ports.contains_key(p)),
+        );
     }
 }
 
@@ -176,18 +199,38 @@ pub fn cleanup_after(
             .collect()
     };
     if let Some(old) = old
-        && !changes.services.iter().any(|service| udp(old, service) != udp(new, service))
+        && !changes
+            .services
+            .iter()
+            .any(|service| udp(old, service) != udp(new, service))
     {
         return None;
     }
     let current = UdpDestinations::of(new, node, node_port_addresses);
     let Some(old) = old else {
-        return (!current.is_empty()).then(|| Cleanup { current, ..Default::default() });
+        return (!current.is_empty()).then(|| Cleanup {
+            current,
+            ..Default::default()
+        });
     };
     let before = UdpDestinations::of(old, node, node_port_addresses);
-    let gone_services = before.services.keys().filter(|k| !current.services.contains_key(*k)).copied().collect();
-    let gone_node_ports = before.node_ports.keys().filter(|k| !current.node_ports.contains_key(*k)).copied().collect();
-    Some(Cleanup { current, gone_services, gone_node_ports })
+    let gone_services = before
+        .services
+        .keys()
+        .filter(|k| !current.services.contains_key(*k))
+        .copied()
+        .collect();
+    let gone_node_ports = before
+        .node_ports
+        .keys()
+        .filter(|k| !current.node_ports.contains_key(*k))
+        .copied()
+        .collect();
+    Some(Cleanup {
+        current,
+        gone_services,
+        gone_node_ports,
+    })
 }
 
 #[cfg(test)]
@@ -203,19 +246,40 @@ mod tests {
 
     fn snapshot(endpoints: &[(u8, u16)], protocol: Protocol) -> Snapshot {
         let mut s = Snapshot::default();
-        let mut port = fixtures::cluster_ip(fixtures::port_name("ns", "dns", "", protocol), ip(10, 96, 0, 10), 53);
+        let mut port = fixtures::cluster_ip(
+            fixtures::port_name("ns", "dns", "", protocol),
+            ip(10, 96, 0, 10),
+            53,
+        );
         port.node_port = Some(30053);
         port.external_ips = vec![ip(192, 0, 2, 1)];
-        fixtures::add(&mut s, port, endpoints.iter().map(|(n, p)| fixtures::ready(ip(10, 244, 1, *n), *p, "n2")).collect());
+        fixtures::add(
+            &mut s,
+            port,
+            endpoints
+                .iter()
+                .map(|(n, p)| fixtures::ready(ip(10, 244, 1, *n), *p, "n2"))
+                .collect(),
+        );
         s
     }
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "n1".into(), addresses: vec![ip(10, 250, 0, 11)], zone: None }
+        NodeInfo {
+            name: "n1".into(),
+            addresses: vec![ip(10, 250, 0, 11)],
+            zone: None,
+        }
     }
 
     fn flow(dst: IpAddr, dport: u16, src: IpAddr, sport: u16) -> Flow {
-        Flow { protocol: 17, orig_dst: dst, orig_dport: dport, reply_src: src, reply_sport: sport }
+        Flow {
+            protocol: 17,
+            orig_dst: dst,
+            orig_dport: dport,
+            reply_src: src,
+            reply_sport: sport,
+        }
     }
 
     #[test]
@@ -224,32 +288,73 @@ mod tests {
         let d = UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Udp), &node(), Some(&node_ips));
         let (cip, ext, node_ip) = (ip(10, 96, 0, 10), ip(192, 0, 2, 1), ip(10, 250, 0, 11));
         let cases = [
-            ("to the current endpoint", flow(cip, 53, ip(10, 244, 1, 12), 5353), false),
-            ("to a removed endpoint", flow(cip, 53, ip(10, 244, 1, 11), 5353), true),
-            ("to the endpoint's old target port", flow(cip, 53, ip(10, 244, 1, 12), 5354), true),
-            ("never DNATed (started before the endpoints)", flow(cip, 53, cip, 53), true),
-            ("external IP, removed endpoint", flow(ext, 53, ip(10, 244, 1, 11), 5353), true),
-            ("NodePort on a node address, removed endpoint", flow(node_ip, 30053, ip(10, 244, 1, 11), 5353), true),
-            ("NodePort number on another address: not ours", flow(ip(198, 51, 100, 7), 30053, ip(198, 51, 100, 7), 30053), false),
+            (
+                "to the current endpoint",
+                flow(cip, 53, ip(10, 244, 1, 12), 5353),
+                false,
+            ),
+            (
+                "to a removed endpoint",
+                flow(cip, 53, ip(10, 244, 1, 11), 5353),
+                true,
+            ),
+            (
+                "to the endpoint's old target port",
+                flow(cip, 53, ip(10, 244, 1, 12), 5354),
+                true,
+            ),
+            (
+                "never DNATed (started before the endpoints)",
+                flow(cip, 53, cip, 53),
+                true,
+            ),
+            (
+                "external IP, removed endpoint",
+                flow(ext, 53, ip(10, 244, 1, 11), 5353),
+                true,
+            ),
+            (
+                "NodePort on a node address, removed endpoint",
+                flow(node_ip, 30053, ip(10, 244, 1, 11), 5353),
+                true,
+            ),
+            (
+                "NodePort number on another address: not ours",
+                flow(ip(198, 51, 100, 7), 30053, ip(198, 51, 100, 7), 30053),
+                false,
+            ),
             ("another port of the ClusterIP", flow(cip, 54, cip, 54), false),
         ];
         for (what, f, stale) in cases {
             assert_eq!(d.is_stale(&f), stale, "{what}");
         }
-        assert!(!d.is_stale(&Flow { protocol: 6, ..flow(cip, 53, cip, 53) }), "TCP is left to TCP");
+        assert!(
+            !d.is_stale(&Flow {
+                protocol: 6,
+                ..flow(cip, 53, cip, 53)
+            }),
+            "TCP is left to TCP"
+        );
         // Without endpoints nothing is checked: the flows are rejected, not DNATed.
         assert!(UdpDestinations::of(&snapshot(&[], Protocol::Udp), &node(), None).is_empty());
         assert!(UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Tcp), &node(), None).is_empty());
         // NodePorts on every local address: any destination with the NodePort's number counts.
         let all = UdpDestinations::of(&snapshot(&[(12, 5353)], Protocol::Udp), &node(), None);
-        assert!(all.is_stale(&flow(ip(10, 250, 0, 99), 30053, ip(10, 244, 1, 11), 5353)), "a secondary address");
+        assert!(
+            all.is_stale(&flow(ip(10, 250, 0, 99), 30053, ip(10, 244, 1, 11), 5353)),
+            "a secondary address"
+        );
         assert!(!all.is_stale(&flow(ip(10, 250, 0, 99), 30053, ip(10, 244, 1, 12), 5353)));
     }
 
     #[test]
     fn local_traffic_policies_allow_the_endpoints_the_backends_use() {
         let mut s = Snapshot::default();
-        let mut port = fixtures::cluster_ip(fixtures::port_name("ns", "lb", "", Protocol::Udp), ip(10, 96, 0, 20), 53);
+        let mut port = fixtures::cluster_ip(
+            fixtures::port_name("ns", "lb", "", Protocol::Udp),
+            ip(10, 96, 0, 20),
+            53,
+        );
         port.load_balancer_ips = vec![ip(192, 0, 2, 20)];
         port.external_policy_local = true;
         port.internal_policy_local = true;
@@ -270,13 +375,24 @@ mod tests {
     #[test]
     fn a_cleanup_that_could_not_run_keeps_what_is_still_gone() {
         let n = node();
-        let changed = Changes { services: [ServiceName { namespace: "ns".into(), name: "dns".into() }].into() };
+        let changed = Changes {
+            services: [ServiceName {
+                namespace: "ns".into(),
+                name: "dns".into(),
+            }]
+            .into(),
+        };
         let b = snapshot(&[(12, 5353)], Protocol::Udp);
-        let failed = cleanup_after(Some(&b), &Snapshot::default(), &changed, &n, None).expect("service deleted");
+        let failed =
+            cleanup_after(Some(&b), &Snapshot::default(), &changed, &n, None).expect("service deleted");
         // Later the Service is back with the same ClusterIP: its destinations are current again.
-        let mut next = cleanup_after(Some(&Snapshot::default()), &b, &changed, &n, None).expect("service added");
+        let mut next =
+            cleanup_after(Some(&Snapshot::default()), &b, &changed, &n, None).expect("service added");
         next.merge(failed.clone());
-        assert!(next.gone_services.is_empty() && next.gone_node_ports.is_empty(), "{next:?}");
+        assert!(
+            next.gone_services.is_empty() && next.gone_node_ports.is_empty(),
+            "{next:?}"
+        );
         // Or it stays gone: the failed deletions are still wanted.
         let mut later = Cleanup::default();
         later.merge(failed);
@@ -285,22 +401,43 @@ mod tests {
 
     #[test]
     fn cleanup_runs_when_a_udp_destination_or_endpoint_changed() {
-        let changed = Changes { services: [ServiceName { namespace: "ns".into(), name: "dns".into() }].into() };
-        let (a, b, moved) =
-            (snapshot(&[(11, 5353), (12, 5353)], Protocol::Udp), snapshot(&[(12, 5353)], Protocol::Udp), snapshot(&[(12, 5354)], Protocol::Udp));
+        let changed = Changes {
+            services: [ServiceName {
+                namespace: "ns".into(),
+                name: "dns".into(),
+            }]
+            .into(),
+        };
+        let (a, b, moved) = (
+            snapshot(&[(11, 5353), (12, 5353)], Protocol::Udp),
+            snapshot(&[(12, 5353)], Protocol::Udp),
+            snapshot(&[(12, 5354)], Protocol::Udp),
+        );
         let n = node();
-        let needed = |old: Option<&Snapshot>, new: &Snapshot, changes: &Changes| cleanup_after(old, new, changes, &n, None).is_some();
+        let needed = |old: Option<&Snapshot>, new: &Snapshot, changes: &Changes| {
+            cleanup_after(old, new, changes, &n, None).is_some()
+        };
         assert!(!needed(Some(&a), &a, &changed), "unchanged");
         assert!(needed(Some(&a), &b, &changed), "endpoint removed");
         assert!(needed(Some(&b), &a, &changed), "endpoint added");
         assert!(needed(Some(&b), &moved, &changed), "target port changed");
-        assert!(!needed(Some(&a), &b, &Changes::default()), "services outside the changes");
-        assert!(needed(None, &b, &Changes::default()), "the first sync checks everything");
-        assert!(!needed(None, &snapshot(&[(12, 5353)], Protocol::Tcp), &Changes::default()), "nothing UDP");
+        assert!(
+            !needed(Some(&a), &b, &Changes::default()),
+            "services outside the changes"
+        );
+        assert!(
+            needed(None, &b, &Changes::default()),
+            "the first sync checks everything"
+        );
+        assert!(
+            !needed(None, &snapshot(&[(12, 5353)], Protocol::Tcp), &Changes::default()),
+            "nothing UDP"
+        );
 
         // A deleted Service: flows to its destinations go, wherever they were DNATed to.
         let node_ips = [ip(10, 250, 0, 11)];
-        let deleted = cleanup_after(Some(&b), &Snapshot::default(), &changed, &n, Some(&node_ips)).expect("cleanup");
+        let deleted =
+            cleanup_after(Some(&b), &Snapshot::default(), &changed, &n, Some(&node_ips)).expect("cleanup");
         let (cip, node_ip, ep) = (ip(10, 96, 0, 10), ip(10, 250, 0, 11), ip(10, 244, 1, 12));
         assert!(deleted.is_stale(&flow(cip, 53, ep, 5353)));
         assert!(deleted.is_stale(&flow(ip(192, 0, 2, 1), 53, ep, 5353)));

@@ -49,7 +49,9 @@ impl StateFile {
     pub fn store(&self, state: &SwitchState) {
         let tmp = self.0.with_extension("tmp");
         let ok = self.0.parent().is_none_or(|d| std::fs::create_dir_all(d).is_ok())
-            && serde_json::to_vec(state).ok().is_some_and(|b| std::fs::write(&tmp, b).is_ok())
+            && serde_json::to_vec(state)
+                .ok()
+                .is_some_and(|b| std::fs::write(&tmp, b).is_ok())
             && std::fs::rename(&tmp, &self.0).is_ok();
         if !ok {
             tracing::error!(path = %self.0.display(), "cannot persist the switch state");
@@ -122,7 +124,9 @@ impl Driver {
 
     fn backend(&mut self, mode: ProxyMode) -> &mut Box<dyn Backend> {
         let (settings, variant) = (self.settings.clone(), self.iptables_variant.clone());
-        self.backends.entry(mode).or_insert_with(|| backend::new_backend(mode, settings, &variant))
+        self.backends
+            .entry(mode)
+            .or_insert_with(|| backend::new_backend(mode, settings, &variant))
     }
 
     /// New settings (node addresses, CIDR): rebuild the backends, next sync is full.
@@ -142,7 +146,12 @@ impl Driver {
     /// Syncs every present backend (the serving one, and the target during a switch). On the
     /// first call, recovers from the persisted state first: programs the backend that must serve,
     /// then removes every other backend's objects.
-    pub fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+    pub fn sync(
+        &mut self,
+        snapshot: &DualSnapshot,
+        changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError> {
         if !self.recovered {
             let r = switch::recover(&self.state);
             let serve = r.serve;
@@ -174,7 +183,11 @@ impl Driver {
         }
         let active = self.state.active;
         let stats = self.backend(active).sync(snapshot, changes, full)?;
-        if let Some(target) = self.state.target.filter(|t| *t != active && self.backends.contains_key(t)) {
+        if let Some(target) = self
+            .state
+            .target
+            .filter(|t| *t != active && self.backends.contains_key(t))
+        {
             self.backend(target).sync(snapshot, changes, full)?;
         }
         Ok(stats)
@@ -209,18 +222,32 @@ impl Driver {
                 let to = desired.map(|d| d.mode).unwrap_or(self.state.active);
                 tracing::warn!(%reason, "switch refused");
                 self.state.answered = desired.and_then(|d| d.token.clone());
-                self.last = Some(Finished { from: self.state.active, to, result: "Failed", reason, token: self.state.answered.clone(), started: self.started.take(), finished: k8s_openapi::jiff::Timestamp::now() });
+                self.last = Some(Finished {
+                    from: self.state.active,
+                    to,
+                    result: "Failed",
+                    reason,
+                    token: self.state.answered.clone(),
+                    started: self.started.take(),
+                    finished: k8s_openapi::jiff::Timestamp::now(),
+                });
                 self.persist();
                 false
             }
             Step::Prepare { target, token } => {
                 self.started = Some(k8s_openapi::jiff::Timestamp::now());
                 tracing::info!(from = %self.state.active, to = %target, ?token, "switch: preparing");
-                self.state = SwitchState { phase: Phase::Preparing, target: Some(target), token, ..self.state.clone() };
+                self.state = SwitchState {
+                    phase: Phase::Preparing,
+                    target: Some(target),
+                    token,
+                    ..self.state.clone()
+                };
                 self.persist();
                 let result = {
                     let b = self.backend(target);
-                    b.set_bypass(true).and_then(|()| b.sync(snapshot, &Changes::default(), true))
+                    b.set_bypass(true)
+                        .and_then(|()| b.sync(snapshot, &Changes::default(), true))
                 };
                 match result {
                     Ok(_) => true,
@@ -228,11 +255,16 @@ impl Driver {
                 }
             }
             Step::CutOver => {
-                let (from, Some(to)) = (self.state.active, self.state.target) else { return false };
+                let (from, Some(to)) = (self.state.active, self.state.target) else {
+                    return false;
+                };
                 self.state.phase = Phase::CutOver;
                 self.persist();
                 // Make before break: the new entry points open before the old ones close.
-                let result = self.backend(to).set_bypass(false).and_then(|()| self.backend(from).set_bypass(true));
+                let result = self
+                    .backend(to)
+                    .set_bypass(false)
+                    .and_then(|()| self.backend(from).set_bypass(true));
                 if let Err(e) = result {
                     return self.roll_back(snapshot, format!("cut-over failed: {e}"));
                 }
@@ -249,8 +281,16 @@ impl Driver {
                 let mut results = probe_round(snapshot, probe_targets);
                 match self.backend(to).verify() {
                     Ok(drift) if drift.is_empty() => {}
-                    Ok(drift) => results.push(ProbeResult { target: format!("{to} rules"), ok: false, detail: Some(drift.join("; ")) }),
-                    Err(e) => results.push(ProbeResult { target: format!("{to} rules"), ok: false, detail: Some(e.to_string()) }),
+                    Ok(drift) => results.push(ProbeResult {
+                        target: format!("{to} rules"),
+                        ok: false,
+                        detail: Some(drift.join("; ")),
+                    }),
+                    Err(e) => results.push(ProbeResult {
+                        target: format!("{to} rules"),
+                        ok: false,
+                        detail: Some(e.to_string()),
+                    }),
                 }
                 if results.iter().all(|r| r.ok) {
                     self.failures = 0;
@@ -267,7 +307,9 @@ impl Driver {
                 false
             }
             Step::Clean => {
-                let (from, Some(to)) = (self.state.active, self.state.target) else { return false };
+                let (from, Some(to)) = (self.state.active, self.state.target) else {
+                    return false;
+                };
                 self.state.phase = Phase::Cleaning;
                 self.persist();
                 if let Err(e) = self.backend(from).cleanup() {
@@ -276,10 +318,25 @@ impl Driver {
                 }
                 self.backends.remove(&from);
                 let token = self.state.token.take();
-                self.state = SwitchState { phase: Phase::Active, active: to, target: None, token: None, answered: token.clone(), restarts: 0 };
+                self.state = SwitchState {
+                    phase: Phase::Active,
+                    active: to,
+                    target: None,
+                    token: None,
+                    answered: token.clone(),
+                    restarts: 0,
+                };
                 self.persist();
                 tracing::info!(%from, %to, "switch: done");
-                self.last = Some(Finished { from, to, result: "Succeeded", reason: "health gate passed".into(), token, started: self.started.take(), finished: k8s_openapi::jiff::Timestamp::now() });
+                self.last = Some(Finished {
+                    from,
+                    to,
+                    result: "Succeeded",
+                    reason: "health gate passed".into(),
+                    token,
+                    started: self.started.take(),
+                    finished: k8s_openapi::jiff::Timestamp::now(),
+                });
                 false
             }
             Step::RollBack { reason } => self.roll_back(snapshot, reason),
@@ -295,14 +352,18 @@ impl Driver {
         self.persist();
         let restore = {
             let b = self.backend(from);
-            b.set_bypass(false).and_then(|()| b.sync(snapshot, &Changes::default(), true).map(|_| ()))
+            b.set_bypass(false)
+                .and_then(|()| b.sync(snapshot, &Changes::default(), true).map(|_| ()))
         };
         if let Err(e) = restore {
             tracing::error!(error = %e, "rollback: restoring the old backend failed; will retry");
             return false;
         }
         if to != from {
-            let removed = self.backend(to).set_bypass(true).and_then(|()| self.backend(to).cleanup());
+            let removed = self
+                .backend(to)
+                .set_bypass(true)
+                .and_then(|()| self.backend(to).cleanup());
             if let Err(e) = removed {
                 tracing::error!(error = %e, "rollback: removing the target backend failed; will retry");
                 return false;
@@ -310,10 +371,25 @@ impl Driver {
             self.backends.remove(&to);
         }
         let token = self.state.token.take();
-        self.state = SwitchState { phase: Phase::Active, active: from, target: None, token: None, answered: token.clone(), restarts: 0 };
+        self.state = SwitchState {
+            phase: Phase::Active,
+            active: from,
+            target: None,
+            token: None,
+            answered: token.clone(),
+            restarts: 0,
+        };
         self.cut_over_at = None;
         self.persist();
-        self.last = Some(Finished { from, to, result: "RolledBack", reason, token, started: self.started.take(), finished: k8s_openapi::jiff::Timestamp::now() });
+        self.last = Some(Finished {
+            from,
+            to,
+            result: "RolledBack",
+            reason,
+            token,
+            started: self.started.take(),
+            finished: k8s_openapi::jiff::Timestamp::now(),
+        });
         false
     }
 }
@@ -340,7 +416,11 @@ pub fn probe_round(snapshot: &DualSnapshot, targets: &[ServiceName]) -> Vec<Prob
             .filter(|p| &p.name.service == target && p.name.protocol == Protocol::Tcp)
             .collect();
         if ports.is_empty() {
-            results.push(ProbeResult { target: target.to_string(), ok: false, detail: Some("no such TCP service".into()) });
+            results.push(ProbeResult {
+                target: target.to_string(),
+                ok: false,
+                detail: Some("no such TCP service".into()),
+            });
         }
         for p in ports {
             let addr = SocketAddr::from((p.cluster_ip, p.port));
@@ -348,7 +428,11 @@ pub fn probe_round(snapshot: &DualSnapshot, targets: &[ServiceName]) -> Vec<Prob
                 Ok(s) => (true, s.peer_addr().ok().map(|a| format!("connected to {a}"))),
                 Err(e) => (false, Some(e.to_string())),
             };
-            results.push(ProbeResult { target: format!("{} {addr}", p.name), ok, detail });
+            results.push(ProbeResult {
+                target: format!("{} {addr}", p.name),
+                ok,
+                detail,
+            });
         }
     }
     results

@@ -51,7 +51,11 @@ impl ProxyHealth {
     /// Health with `timeout` (kube-proxy: 2 × syncPeriod).
     pub fn new(timeout: Duration) -> Self {
         Self {
-            inner: Mutex::new(HealthState { oldest_pending: None, last_updated: SystemTime::now(), node_eligible: true }),
+            inner: Mutex::new(HealthState {
+                oldest_pending: None,
+                last_updated: SystemTime::now(),
+                node_eligible: true,
+            }),
             timeout,
         }
     }
@@ -106,7 +110,10 @@ pub struct HttpState {
 }
 
 fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    let secs = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64();
     format!("{secs:.3}")
 }
 
@@ -120,11 +127,27 @@ fn reply(code: StatusCode, body: serde_json::Value) -> impl IntoResponse {
 async fn healthz(State(s): State<HttpState>, livez: bool) -> impl IntoResponse {
     let view = s.health.view();
     let ok = view.healthy && (livez || view.node_eligible);
-    let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let family = if livez { &s.metrics.livez_total } else { &s.metrics.healthz_total };
-    family.get_or_create(&crate::metrics::CodeLabel { code: code.as_u16().to_string() }).inc();
+    let code = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let family = if livez {
+        &s.metrics.livez_total
+    } else {
+        &s.metrics.healthz_total
+    };
+    family
+        .get_or_create(&crate::metrics::CodeLabel {
+            code: code.as_u16().to_string(),
+        })
+        .inc();
     let now = SystemTime::now();
-    let last = if view.healthy { now } else { s.health.last_updated() };
+    let last = if view.healthy {
+        now
+    } else {
+        s.health.last_updated()
+    };
     let mut body = json!({
         "lastUpdated": rfc3339(last),
         "currentTime": rfc3339(now),
@@ -140,9 +163,18 @@ async fn healthz(State(s): State<HttpState>, livez: bool) -> impl IntoResponse {
 /// The router for `/healthz`, `/livez` and `/metrics`.
 pub fn router(state: HttpState) -> Router {
     Router::new()
-        .route("/healthz", get(|s: State<HttpState>| async move { healthz(s, false).await }))
-        .route("/livez", get(|s: State<HttpState>| async move { healthz(s, true).await }))
-        .route("/metrics", get(|State(s): State<HttpState>| async move { s.metrics.render() }))
+        .route(
+            "/healthz",
+            get(|s: State<HttpState>| async move { healthz(s, false).await }),
+        )
+        .route(
+            "/livez",
+            get(|s: State<HttpState>| async move { healthz(s, true).await }),
+        )
+        .route(
+            "/metrics",
+            get(|State(s): State<HttpState>| async move { s.metrics.render() }),
+        )
         .with_state(state)
 }
 
@@ -171,7 +203,8 @@ fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
     let listener = match open(Domain::IPV6, (std::net::Ipv6Addr::UNSPECIFIED, port).into()) {
         Ok(l) => l,
         // Only a node without IPv6 falls back; a port in use is reported, not hidden.
-        Err(e) if matches!(e.raw_os_error(), Some(code) if code == nix::errno::Errno::EAFNOSUPPORT as i32 || code == nix::errno::Errno::EADDRNOTAVAIL as i32) => {
+        Err(e) if matches!(e.raw_os_error(), Some(code) if code == nix::errno::Errno::EAFNOSUPPORT as i32 || code == nix::errno::Errno::EADDRNOTAVAIL as i32) =>
+        {
             tracing::info!(port, error = %e, "no IPv6 on this node; health-check port on IPv4 only");
             open(Domain::IPV4, (std::net::Ipv4Addr::UNSPECIFIED, port).into())?
         }
@@ -193,7 +226,11 @@ pub struct ServiceHealthServers {
 impl ServiceHealthServers {
     /// No servers yet.
     pub fn new(health: Arc<ProxyHealth>) -> Self {
-        Self { health, desired: Arc::new(Mutex::new(BTreeMap::new())), running: BTreeMap::new() }
+        Self {
+            health,
+            desired: Arc::new(Mutex::new(BTreeMap::new())),
+            running: BTreeMap::new(),
+        }
     }
 
     /// Starts servers for new ports, stops servers for removed ones, updates counts.
@@ -217,11 +254,25 @@ impl ServiceHealthServers {
             let app = Router::new().fallback(move || {
                 let (desired, health) = (desired.clone(), health.clone());
                 async move {
-                    let (service, local) = desired.lock().ok().and_then(|d| d.get(&port).cloned()).unwrap_or_else(|| {
-                        (ServiceName { namespace: String::new(), name: String::new() }, 0)
-                    });
+                    let (service, local) = desired
+                        .lock()
+                        .ok()
+                        .and_then(|d| d.get(&port).cloned())
+                        .unwrap_or_else(|| {
+                            (
+                                ServiceName {
+                                    namespace: String::new(),
+                                    name: String::new(),
+                                },
+                                0,
+                            )
+                        });
                     let healthy = health.view().healthy;
-                    let code = if local > 0 && healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                    let code = if local > 0 && healthy {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    };
                     let mut headers = HeaderMap::new();
                     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
                     headers.insert("X-Content-Type-Options", HeaderValue::from_static("nosniff"));

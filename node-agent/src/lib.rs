@@ -7,18 +7,18 @@
 //! ```
 //! Only [`sys`] touches the kernel; [`probe`] decides from gathered facts; [`report`] talks to the API.
 
-pub mod model;
-pub mod conntrack;
 pub mod backend;
+pub mod conntrack;
 pub mod driver;
 pub mod health;
 pub mod metrics;
-pub mod runtime;
-pub mod switch;
-pub mod takeover;
+pub mod model;
 pub mod probe;
 pub mod report;
+pub mod runtime;
+pub mod switch;
 pub mod sys;
+pub mod takeover;
 
 /// Errors of the agent.
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,10 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 use clap::Parser;
-use kube::{Api, Client, Config, config::{KubeConfigOptions, Kubeconfig}};
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+};
 use switchyard_agent::{
     Error, Result, backend,
     health::{self, HttpState, ProxyHealth},
@@ -106,14 +109,20 @@ async fn capabilities() -> Result<switchyard_crds::v1alpha1::Capabilities> {
 async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let kc = Kubeconfig::read_from(path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+            let kc =
+                Kubeconfig::read_from(path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
             Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
                 .await
                 .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?
         }
-        None => Config::infer().await.map_err(|e| Error::Config(format!("no kubeconfig: {e}")))?,
+        None => Config::infer()
+            .await
+            .map_err(|e| Error::Config(format!("no kubeconfig: {e}")))?,
     };
-    Client::try_from(config).map_err(|source| Error::Kube { action: "build client".into(), source })
+    Client::try_from(config).map_err(|source| Error::Kube {
+        action: "build client".into(),
+        source,
+    })
 }
 
 fn parse_mode(mode: &str) -> Result<ProxyMode> {
@@ -121,14 +130,22 @@ fn parse_mode(mode: &str) -> Result<ProxyMode> {
         "nftables" => Ok(ProxyMode::Nftables),
         "iptables" => Ok(ProxyMode::Iptables),
         "ipvs" => Ok(ProxyMode::Ipvs),
-        other => Err(Error::Config(format!("--mode {other}: expected nftables, iptables or ipvs"))),
+        other => Err(Error::Config(format!(
+            "--mode {other}: expected nftables, iptables or ipvs"
+        ))),
     }
 }
 
-fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Capabilities) -> Result<runtime::Config> {
+fn runtime_config(
+    args: &Args,
+    node: String,
+    caps: switchyard_crds::v1alpha1::Capabilities,
+) -> Result<runtime::Config> {
     let mode = parse_mode(&args.mode)?;
     let cluster_cidrs = match args.cluster_cidr.as_deref() {
-        Some(c) => runtime::parse_cluster_cidrs(c).map_err(|e| Error::Config(format!("--cluster-cidr {e}")))?,
+        Some(c) => {
+            runtime::parse_cluster_cidrs(c).map_err(|e| Error::Config(format!("--cluster-cidr {e}")))?
+        }
         None => Vec::new(),
     };
     let node_port_addresses = match args.nodeport_addresses.as_deref() {
@@ -137,12 +154,18 @@ fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Ca
         Some("primary") => NodePortAddresses::Primary,
         Some(list) => NodePortAddresses::Cidrs(
             list.split(',')
-                .map(|c| c.trim().parse().map_err(|e| Error::Config(format!("--nodeport-addresses {c}: {e}"))))
+                .map(|c| {
+                    c.trim()
+                        .parse()
+                        .map_err(|e| Error::Config(format!("--nodeport-addresses {c}: {e}")))
+                })
                 .collect::<Result<_>>()?,
         ),
     };
     if !(args.min_sync_period >= 0.0 && args.sync_period > 0.0) {
-        return Err(Error::Config("--min-sync-period must be >= 0 and --sync-period > 0".into()));
+        return Err(Error::Config(
+            "--min-sync-period must be >= 0 and --sync-period > 0".into(),
+        ));
     }
     Ok(runtime::Config {
         node_name: node,
@@ -163,7 +186,10 @@ fn runtime_config(args: &Args, node: String, caps: switchyard_crds::v1alpha1::Ca
 async fn run(args: Args) -> Result<()> {
     if args.probe {
         let caps = capabilities().await?;
-        println!("{}", serde_json::to_string_pretty(&caps).map_err(|e| Error::Config(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&caps).map_err(|e| Error::Config(e.to_string()))?
+        );
         return Ok(());
     }
     if args.cleanup {
@@ -173,9 +199,16 @@ async fn run(args: Args) -> Result<()> {
         for e in &errors {
             eprintln!("switchyard-agent: cleanup: {e}");
         }
-        return if errors.is_empty() { Ok(()) } else { Err(Error::Config(format!("{} cleanup step(s) failed", errors.len()))) };
+        return if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Config(format!("{} cleanup step(s) failed", errors.len())))
+        };
     }
-    let node = args.node_name.clone().ok_or_else(|| Error::Config("--node-name (or NODE_NAME) is required".into()))?;
+    let node = args
+        .node_name
+        .clone()
+        .ok_or_else(|| Error::Config("--node-name (or NODE_NAME) is required".into()))?;
     let client = client(args.kubeconfig.as_ref()).await?;
     if args.render {
         return render(&args, &client, node).await;
@@ -191,7 +224,10 @@ async fn run(args: Args) -> Result<()> {
     let config = runtime_config(&args, node, caps)?;
     let health = Arc::new(ProxyHealth::new(config.sync_period * 2));
     let metrics = Arc::new(Metrics::new());
-    let router = health::router(HttpState { health: health.clone(), metrics: metrics.clone() });
+    let router = health::router(HttpState {
+        health: health.clone(),
+        metrics: metrics.clone(),
+    });
     let servers = async {
         let (a, b) = (args.healthz_bind_address, args.metrics_bind_address);
         if a == b {
@@ -234,18 +270,33 @@ async fn report_only(
 }
 
 async fn render(args: &Args, client: &Client, node: String) -> Result<()> {
-    use k8s_openapi::api::{core::v1::{Node, Service}, discovery::v1::EndpointSlice};
+    use k8s_openapi::api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    };
     let kube_err = |action: &str| {
         let action = action.to_owned();
         move |source| Error::Kube { action, source }
     };
-    let services = Api::<Service>::all(client.clone()).list(&Default::default()).await.map_err(kube_err("list services"))?;
-    let slices = Api::<EndpointSlice>::all(client.clone()).list(&Default::default()).await.map_err(kube_err("list endpointslices"))?;
-    let node_obj = Api::<Node>::all(client.clone()).get_opt(&node).await.map_err(kube_err("get node"))?;
+    let services = Api::<Service>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .map_err(kube_err("list services"))?;
+    let slices = Api::<EndpointSlice>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .map_err(kube_err("list endpointslices"))?;
+    let node_obj = Api::<Node>::all(client.clone())
+        .get_opt(&node)
+        .await
+        .map_err(kube_err("get node"))?;
     let mut tracker = Tracker::new(args.service_proxy_name.clone());
     tracker.reset_services(&services.items);
     tracker.reset_slices(&slices.items);
-    let caps = switchyard_crds::v1alpha1::Capabilities { iptables_variant: Some("legacy".into()), ..Default::default() };
+    let caps = switchyard_crds::v1alpha1::Capabilities {
+        iptables_variant: Some("legacy".into()),
+        ..Default::default()
+    };
     let config = runtime_config(args, node, caps)?;
     let settings = runtime::node_settings(&config, node_obj.as_ref());
     let backend = backend::new_backend(config.mode, settings, &config.iptables_variant);

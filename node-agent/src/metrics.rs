@@ -92,20 +92,76 @@ impl Metrics {
             objects_written: Family::default(),
             registry: Registry::default(),
         };
-        registry.register("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", m.sync_duration.clone());
-        registry.register("kubeproxy_sync_full_proxy_rules_duration_seconds", "Full SyncProxyRules latency in seconds", m.sync_full_duration.clone());
-        registry.register("kubeproxy_sync_partial_proxy_rules_duration_seconds", "Partial SyncProxyRules latency in seconds", m.sync_partial_duration.clone());
-        registry.register("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced", m.last_sync_timestamp.clone());
-        registry.register("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", "The last time a sync of proxy rules was queued", m.last_queued_timestamp.clone());
-        registry.register("kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", m.service_changes_pending.clone());
-        registry.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", m.service_changes_total.clone());
-        registry.register("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", m.endpoint_changes_total.clone());
-        registry.register("kubeproxy_sync_proxy_rules_no_local_endpoints", "Number of services with a Local traffic policy and no endpoints", m.no_local_endpoints.clone());
-        registry.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", m.healthz_total.clone());
-        registry.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", m.livez_total.clone());
-        registry.register("switchyard_sync_failures", "Syncs that failed, by mode", m.sync_failures.clone());
-        registry.register("switchyard_programmed_services", "Service ports programmed, by mode", m.programmed_services.clone());
-        registry.register("switchyard_sync_objects_written", "Kernel objects written by the last sync, by mode", m.objects_written.clone());
+        registry.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            m.sync_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "Full SyncProxyRules latency in seconds",
+            m.sync_full_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "Partial SyncProxyRules latency in seconds",
+            m.sync_partial_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            m.last_sync_timestamp.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            m.last_queued_timestamp.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_changes_pending.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            m.service_changes_total.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            m.endpoint_changes_total.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints",
+            "Number of services with a Local traffic policy and no endpoints",
+            m.no_local_endpoints.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            m.healthz_total.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            m.livez_total.clone(),
+        );
+        registry.register(
+            "switchyard_sync_failures",
+            "Syncs that failed, by mode",
+            m.sync_failures.clone(),
+        );
+        registry.register(
+            "switchyard_programmed_services",
+            "Service ports programmed, by mode",
+            m.programmed_services.clone(),
+        );
+        registry.register(
+            "switchyard_sync_objects_written",
+            "Kernel objects written by the last sync, by mode",
+            m.objects_written.clone(),
+        );
         Self { registry, ..m }
     }
 

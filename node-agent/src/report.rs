@@ -41,7 +41,16 @@ pub async fn ensure_registered(client: &Client, node_name: &str) -> Result<()> {
         r.block_owner_deletion = None;
         vec![r]
     });
-    match proxies.create(&PostParams { field_manager: Some(AGENT_FIELD_MANAGER.into()), ..Default::default() }, &proxy).await {
+    match proxies
+        .create(
+            &PostParams {
+                field_manager: Some(AGENT_FIELD_MANAGER.into()),
+                ..Default::default()
+            },
+            &proxy,
+        )
+        .await
+    {
         Ok(created) => {
             tracing::info!(node = node_name, uid = ?created.uid(), "registered NodeProxy");
             Ok(())
@@ -60,7 +69,11 @@ pub async fn apply_status(client: &Client, node_name: &str, status: &NodeProxySt
         "status": status,
     });
     proxies
-        .patch_status(node_name, &PatchParams::apply(AGENT_FIELD_MANAGER).force(), &Patch::Apply(&patch))
+        .patch_status(
+            node_name,
+            &PatchParams::apply(AGENT_FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
         .await
         .map_err(kube_err(format!("apply nodeproxy {node_name} status")))?;
     Ok(())

@@ -9,14 +9,14 @@ use std::{
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{
     Api, Client,
     runtime::{WatchStreamExt, watcher},
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use switchyard_crds::v1alpha1::{
-    Capabilities, HealthGate, NodeProxy, NodeProxyStatus, ProbeTarget, ProxyMode, ProxySettings, SwitchResult,
-    SyncStats as StatusSync,
+    Capabilities, HealthGate, NodeProxy, NodeProxyStatus, ProbeTarget, ProxyMode, ProxySettings,
+    SwitchResult, SyncStats as StatusSync,
 };
 use tokio::sync::Notify;
 
@@ -24,12 +24,12 @@ use crate::{
     Error, Result,
     backend::{self, Settings},
     driver::{Driver, Finished, StateFile},
-    model::ServiceName,
-    switch::Desired,
     health::{HealthCheckPorts, ProxyHealth, ServiceHealthServers},
-    metrics::{ModeLabel, Metrics, TrafficPolicy},
+    metrics::{Metrics, ModeLabel, TrafficPolicy},
+    model::ServiceName,
     model::{DualSnapshot, IpNet, NodeInfo, categorize, tracker::Tracker},
     report,
+    switch::Desired,
 };
 
 /// Which node addresses accept NodePorts.
@@ -94,16 +94,30 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
         NodePortAddresses::Cidrs(cidrs) => {
             let mut ips = backend::NodePortIps::default();
             for family in crate::model::IpFamily::ALL {
-                let of_family: Vec<&IpNet> = cidrs.iter().filter(|c| crate::model::IpFamily::of_net(c) == family).collect();
+                let of_family: Vec<&IpNet> = cidrs
+                    .iter()
+                    .filter(|c| crate::model::IpFamily::of_net(c) == family)
+                    .collect();
                 if !of_family.is_empty() {
-                    ips.restrict(family, addresses.iter().filter(|a| of_family.iter().any(|c| c.contains(*a))).copied().collect());
+                    ips.restrict(
+                        family,
+                        addresses
+                            .iter()
+                            .filter(|a| of_family.iter().any(|c| c.contains(*a)))
+                            .copied()
+                            .collect(),
+                    );
                 }
             }
             ips
         }
     };
     Settings {
-        node: NodeInfo { name: config.node_name.clone(), addresses, zone },
+        node: NodeInfo {
+            name: config.node_name.clone(),
+            addresses,
+            zone,
+        },
         cluster_cidrs: config.cluster_cidrs.clone(),
         masquerade_all: config.masquerade_all,
         node_port_addresses,
@@ -141,7 +155,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn now_seconds() -> f64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 /// Strips managed fields: they are large and never read.
@@ -151,7 +168,8 @@ fn trim<K: kube::Resource>(mut obj: K) -> K {
 }
 
 /// How a watched kind feeds the tracker.
-trait Tracked: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+trait Tracked:
+    kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
     + Clone
     + std::fmt::Debug
     + serde::de::DeserializeOwned
@@ -205,8 +223,14 @@ impl Tracked for EndpointSlice {
 /// Feeds one kind's watch events into the tracker; a relist replaces the kind's whole state.
 async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Result<()> {
     let mut init: Vec<K> = Vec::new();
-    let mut stream = watcher(Api::<K>::all(client), watcher::Config::default()).default_backoff().boxed();
-    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("{} watch: {e}", K::WHAT)))? {
+    let mut stream = watcher(Api::<K>::all(client), watcher::Config::default())
+        .default_backoff()
+        .boxed();
+    while let Some(event) = stream
+        .try_next()
+        .await
+        .map_err(|e| Error::Config(format!("{} watch: {e}", K::WHAT)))?
+    {
         let changed = {
             let mut t = lock(&shared.tracker);
             match event {
@@ -240,8 +264,15 @@ async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Resul
 
 async fn watch_node(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = watcher(Api::<Node>::all(client), config).default_backoff().touched_objects().boxed();
-    while let Some(node) = stream.try_next().await.map_err(|e| Error::Config(format!("node watch: {e}")))? {
+    let mut stream = watcher(Api::<Node>::all(client), config)
+        .default_backoff()
+        .touched_objects()
+        .boxed();
+    while let Some(node) = stream
+        .try_next()
+        .await
+        .map_err(|e| Error::Config(format!("node watch: {e}")))?
+    {
         shared.health.set_node_eligible(node_eligible(Some(&node)));
         *lock(&shared.node) = Some(trim(node));
         notify(&shared);
@@ -261,8 +292,14 @@ fn health_check_ports(snapshot: &DualSnapshot, settings: &Settings) -> HealthChe
     let mut ports = HealthCheckPorts::new();
     for family in snapshot.families() {
         for p in family.services.values().filter(|p| p.external_policy_local) {
-            let Some(hc) = p.health_check_node_port else { continue };
-            let eps = family.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
+            let Some(hc) = p.health_check_node_port else {
+                continue;
+            };
+            let eps = family
+                .endpoints
+                .get(&p.name)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
             let local = categorize(eps, &settings.node).local.len();
             let entry = ports.entry(hc).or_insert_with(|| (p.name.service.clone(), 0));
             entry.1 = entry.1.max(local);
@@ -273,20 +310,43 @@ fn health_check_ports(snapshot: &DualSnapshot, settings: &Settings) -> HealthChe
 
 fn no_local_endpoints(snapshot: &DualSnapshot, settings: &Settings, metrics: &Metrics) {
     let (mut internal, mut external) = (0i64, 0i64);
-    for (snapshot, p) in snapshot.families().into_iter().flat_map(|s| s.services.values().map(move |p| (s, p))) {
-        let eps = snapshot.endpoints.get(&p.name).map(Vec::as_slice).unwrap_or_default();
+    for (snapshot, p) in snapshot
+        .families()
+        .into_iter()
+        .flat_map(|s| s.services.values().map(move |p| (s, p)))
+    {
+        let eps = snapshot
+            .endpoints
+            .get(&p.name)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         let c = categorize(eps, &settings.node);
         if c.local.is_empty() && c.has_any {
             internal += i64::from(p.internal_policy_local);
             external += i64::from(p.external_policy_local && p.externally_accessible());
         }
     }
-    metrics.no_local_endpoints.get_or_create(&TrafficPolicy { traffic_policy: "internal".into() }).set(internal);
-    metrics.no_local_endpoints.get_or_create(&TrafficPolicy { traffic_policy: "external".into() }).set(external);
+    metrics
+        .no_local_endpoints
+        .get_or_create(&TrafficPolicy {
+            traffic_policy: "internal".into(),
+        })
+        .set(internal);
+    metrics
+        .no_local_endpoints
+        .get_or_create(&TrafficPolicy {
+            traffic_policy: "external".into(),
+        })
+        .set(external);
 }
 
 /// Runs the proxy until a watch fails for good or the process is asked to stop.
-pub async fn run(client: Client, config: Config, health: Arc<ProxyHealth>, metrics: Arc<Metrics>) -> Result<()> {
+pub async fn run(
+    client: Client,
+    config: Config,
+    health: Arc<ProxyHealth>,
+    metrics: Arc<Metrics>,
+) -> Result<()> {
     let shared = Arc::new(Shared {
         tracker: Mutex::new(Tracker::new(config.proxy_name.clone())),
         node: Mutex::new(None),
@@ -328,14 +388,28 @@ struct Wish {
 
 async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = watcher(Api::<NodeProxy>::all(client), config).default_backoff().boxed();
-    while let Some(event) = stream.try_next().await.map_err(|e| Error::Config(format!("nodeproxy watch: {e}")))? {
+    let mut stream = watcher(Api::<NodeProxy>::all(client), config)
+        .default_backoff()
+        .boxed();
+    while let Some(event) = stream
+        .try_next()
+        .await
+        .map_err(|e| Error::Config(format!("nodeproxy watch: {e}")))?
+    {
         match event {
             watcher::Event::Apply(np) | watcher::Event::InitApply(np) => {
                 let wish = Wish {
-                    desired: np.spec.desired_mode.map(|mode| Desired { mode, token: np.spec.rollout_token.clone() }),
+                    desired: np.spec.desired_mode.map(|mode| Desired {
+                        mode,
+                        token: np.spec.rollout_token.clone(),
+                    }),
                     gate: np.spec.health_gate.clone().unwrap_or_default(),
-                    probes: np.spec.health_gate.as_ref().map(|g| g.probes.clone()).unwrap_or_default(),
+                    probes: np
+                        .spec
+                        .health_gate
+                        .as_ref()
+                        .map(|g| g.probes.clone())
+                        .unwrap_or_default(),
                     generation: np.metadata.generation,
                 };
                 *lock(&shared.wish) = wish;
@@ -357,10 +431,16 @@ fn now_time() -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
 /// Resolves the gate's probe targets to Service names: `default/kubernetes` always, named ones,
 /// and label-selected ones (listed from the API).
 async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceName> {
-    let mut out = vec![ServiceName { namespace: "default".into(), name: "kubernetes".into() }];
+    let mut out = vec![ServiceName {
+        namespace: "default".into(),
+        name: "kubernetes".into(),
+    }];
     for p in probes {
         if let Some(name) = &p.name {
-            out.push(ServiceName { namespace: p.namespace.clone(), name: name.clone() });
+            out.push(ServiceName {
+                namespace: p.namespace.clone(),
+                name: name.clone(),
+            });
         } else if let Some(sel) = &p.selector {
             let labels = sel
                 .match_labels
@@ -372,7 +452,10 @@ async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceNa
             let api: Api<Service> = Api::namespaced(client.clone(), &p.namespace);
             if let Ok(list) = api.list(&kube::api::ListParams::default().labels(&labels)).await {
                 out.extend(list.items.into_iter().filter_map(|s| {
-                    Some(ServiceName { namespace: p.namespace.clone(), name: s.metadata.name? })
+                    Some(ServiceName {
+                        namespace: p.namespace.clone(),
+                        name: s.metadata.name?,
+                    })
                 }));
             }
         }
@@ -388,8 +471,13 @@ fn status(
     previous: Option<&Condition>,
 ) -> NodeProxyStatus {
     let last = driver.last.as_ref();
-    let current = last.is_some_and(|l| l.token.is_some() && l.token == wish.desired.as_ref().and_then(|d| d.token.clone()));
-    let at_desired = wish.desired.as_ref().is_none_or(|d| d.mode == driver.state.active) && !driver.switching();
+    let current = last
+        .is_some_and(|l| l.token.is_some() && l.token == wish.desired.as_ref().and_then(|d| d.token.clone()));
+    let at_desired = wish
+        .desired
+        .as_ref()
+        .is_none_or(|d| d.mode == driver.state.active)
+        && !driver.switching();
     let healthy = at_desired && (last.is_none_or(|l| !current || l.result == "Succeeded"));
     let condition = |ok: bool, reason: &str, message: String| Condition {
         type_: "Healthy".into(),
@@ -400,9 +488,13 @@ fn status(
         observed_generation: wish.generation,
     };
     let mut healthy_condition = match (healthy, last) {
-        (true, Some(l)) if current => condition(true, "GatePassed", format!("{} active; health gate passed", l.to)),
+        (true, Some(l)) if current => {
+            condition(true, "GatePassed", format!("{} active; health gate passed", l.to))
+        }
         (true, _) => condition(true, "Active", format!("{} active", driver.state.active)),
-        (false, Some(l)) if current && l.result != "Succeeded" => condition(false, l.result, l.reason.clone()),
+        (false, Some(l)) if current && l.result != "Succeeded" => {
+            condition(false, l.result, l.reason.clone())
+        }
         (false, _) => condition(false, "Switching", format!("switch phase {:?}", driver.phase())),
     };
     // The transition time moves only when the condition's status does.
@@ -421,15 +513,26 @@ fn status(
             result: l.result.into(),
             reason: Some(l.reason.clone()),
             rollout_token: l.token.clone(),
-            started_at: l.started.map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time),
+            started_at: l
+                .started
+                .map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time),
             finished_at: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(l.finished)),
         }),
         probes: driver.probes.clone(),
         sync: stats.map(|(stats, took, snapshot)| StatusSync {
             last_sync_time: Some(now_time()),
             last_sync_millis: took.as_millis() as i64,
-            services: snapshot.families().iter().map(|s| s.services.len()).sum::<usize>() as i64,
-            endpoints: snapshot.families().iter().flat_map(|s| s.endpoints.values()).map(Vec::len).sum::<usize>() as i64,
+            services: snapshot
+                .families()
+                .iter()
+                .map(|s| s.services.len())
+                .sum::<usize>() as i64,
+            endpoints: snapshot
+                .families()
+                .iter()
+                .flat_map(|s| s.endpoints.values())
+                .map(Vec::len)
+                .sum::<usize>() as i64,
             rules: stats.rules_total as i64,
         }),
         conditions: vec![healthy_condition],
@@ -442,7 +545,10 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
     // What the last successful sync programmed (stale UDP flows are found against it), and the
     // conntrack cleanups that could not run yet.
     let mut programmed: Option<DualSnapshot> = None;
-    let mut unfinished_cleanups: std::collections::BTreeMap<crate::model::IpFamily, crate::conntrack::Cleanup> = Default::default();
+    let mut unfinished_cleanups: std::collections::BTreeMap<
+        crate::model::IpFamily,
+        crate::conntrack::Cleanup,
+    > = Default::default();
     let mut last_sync = Instant::now() - config.min_sync_period;
     let mut last_full = Instant::now();
     let mut last_report: Option<Instant> = None;
@@ -451,7 +557,11 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
     let mut took_over = !config.takeover_kube_proxy;
     let mut reported_condition: Option<Condition> = None;
     loop {
-        let tick = if driver.as_ref().is_some_and(Driver::switching) { Duration::from_secs(1) } else { config.sync_period };
+        let tick = if driver.as_ref().is_some_and(Driver::switching) {
+            Duration::from_secs(1)
+        } else {
+            config.sync_period
+        };
         tokio::select! {
             _ = shared.wake.notified() => {}
             _ = tokio::time::sleep(tick) => { need_full |= tick == config.sync_period; }
@@ -465,9 +575,17 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             continue;
         }
         let wish = lock(&shared.wish).clone();
-        let settings = node_settings(&with_policy_settings(&config, lock(&shared.proxy_settings).as_ref()), node.as_ref());
+        let settings = node_settings(
+            &with_policy_settings(&config, lock(&shared.proxy_settings).as_ref()),
+            node.as_ref(),
+        );
         if driver.is_none() {
-            let mut d = Driver::new(StateFile(config.state_dir.join("state.json")), config.mode, settings.clone(), config.iptables_variant.clone());
+            let mut d = Driver::new(
+                StateFile(config.state_dir.join("state.json")),
+                config.mode,
+                settings.clone(),
+                config.iptables_variant.clone(),
+            );
             // Our status is applied whole (server-side apply): carry the last switch result over a
             // restart, or the restart would erase it.
             d.last = previous_switch(&client, &config.node_name).await;
@@ -507,13 +625,23 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         for family in crate::model::IpFamily::ALL {
             let old = programmed.as_ref().map(|p| p.get(family));
             let node_ports = settings.node_port_addresses.of(family);
-            let planned = crate::conntrack::cleanup_after(old, snapshot.get(family), &compared, &settings.node, node_ports);
+            let planned = crate::conntrack::cleanup_after(
+                old,
+                snapshot.get(family),
+                &compared,
+                &settings.node,
+                node_ports,
+            );
             let carried = unfinished_cleanups.remove(&family);
             match (planned, carried) {
                 (planned, Some(carried)) => {
                     // Judged against what is programmed now, not when it was planned.
                     let mut c = planned.unwrap_or_else(|| crate::conntrack::Cleanup {
-                        current: crate::conntrack::UdpDestinations::of(snapshot.get(family), &settings.node, node_ports),
+                        current: crate::conntrack::UdpDestinations::of(
+                            snapshot.get(family),
+                            &settings.node,
+                            node_ports,
+                        ),
                         ..Default::default()
                     });
                     c.merge(carried);
@@ -548,7 +676,12 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
         .map_err(|e| Error::Config(format!("sync task: {e}")))?;
         driver = Some(owned);
         unfinished_cleanups.extend(unfinished);
-        let mode_label = ModeLabel { mode: driver.as_ref().map(|d| d.state.active.to_string()).unwrap_or_default() };
+        let mode_label = ModeLabel {
+            mode: driver
+                .as_ref()
+                .map(|d| d.state.active.to_string())
+                .unwrap_or_default(),
+        };
         match result {
             Ok((stats, took)) => {
                 need_full = false;
@@ -562,10 +695,24 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
                 }
                 shared.metrics.sync_duration.observe(took.as_secs_f64());
                 shared.metrics.last_sync_timestamp.set(now_seconds());
-                shared.metrics.programmed_services.get_or_create(&mode_label).set(stats.services as i64);
-                shared.metrics.objects_written.get_or_create(&mode_label).set(stats.objects_written as i64);
+                shared
+                    .metrics
+                    .programmed_services
+                    .get_or_create(&mode_label)
+                    .set(stats.services as i64);
+                shared
+                    .metrics
+                    .objects_written
+                    .get_or_create(&mode_label)
+                    .set(stats.objects_written as i64);
                 shared.health.updated();
-                tracing::debug!(full = stats.full, services = stats.services, objects = stats.objects_written, millis = took.as_millis() as u64, "synced");
+                tracing::debug!(
+                    full = stats.full,
+                    services = stats.services,
+                    objects = stats.objects_written,
+                    millis = took.as_millis() as u64,
+                    "synced"
+                );
                 health_servers.sync(health_check_ports(&snapshot, &settings));
                 no_local_endpoints(&snapshot, &settings, &shared.metrics);
                 last_stats = Some((stats, took));
@@ -587,10 +734,18 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             }
         }
         // The switch: one step per iteration (a quick follow-up when the step asks for it).
-        let targets = if driver.as_ref().is_some_and(Driver::switching) { probe_targets(&client, &wish.probes).await } else { Vec::new() };
+        let targets = if driver.as_ref().is_some_and(Driver::switching) {
+            probe_targets(&client, &wish.probes).await
+        } else {
+            Vec::new()
+        };
         let Some(mut owned) = driver.take() else { continue };
-        let (supported, desired, gate, snap) =
-            (config.capabilities.supported_modes.clone(), wish.desired.clone(), wish.gate.clone(), snapshot.clone());
+        let (supported, desired, gate, snap) = (
+            config.capabilities.supported_modes.clone(),
+            wish.desired.clone(),
+            wish.gate.clone(),
+            snapshot.clone(),
+        );
         let (again, owned) = tokio::task::spawn_blocking(move || {
             let again = owned.step(desired.as_ref(), &supported, &gate, &snap, &targets);
             (again, owned)
@@ -620,7 +775,10 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
                     last_report = Some(Instant::now());
                     d.dirty = false;
                 }
-                Err(Error::Kube { source: kube::Error::Api(status), .. }) if status.code == 404 => {
+                Err(Error::Kube {
+                    source: kube::Error::Api(status),
+                    ..
+                }) if status.code == 404 => {
                     // Someone deleted our NodeProxy: register again, report on the next round.
                     tracing::warn!("NodeProxy {} is gone; registering again", config.node_name);
                     match report::ensure_registered(&client, &config.node_name).await {
@@ -653,7 +811,10 @@ async fn previous_switch(client: &Client, node: &str) -> Option<Finished> {
         reason: last.reason.unwrap_or_default(),
         token: last.rollout_token,
         started: last.started_at.map(|t| t.0),
-        finished: last.finished_at.map(|t| t.0).unwrap_or_else(k8s_openapi::jiff::Timestamp::now),
+        finished: last
+            .finished_at
+            .map(|t| t.0)
+            .unwrap_or_else(k8s_openapi::jiff::Timestamp::now),
     })
 }
 
@@ -662,7 +823,12 @@ async fn previous_switch(client: &Client, node: &str) -> Option<Finished> {
 pub fn parse_cluster_cidrs(value: &str) -> std::result::Result<Vec<IpNet>, String> {
     let cidrs: Vec<IpNet> = value
         .split(',')
-        .map(|c| c.trim().parse::<IpNet>().map(|n| n.trunc()).map_err(|e| format!("{c}: {e}")))
+        .map(|c| {
+            c.trim()
+                .parse::<IpNet>()
+                .map(|n| n.trunc())
+                .map_err(|e| format!("{c}: {e}"))
+        })
         .collect::<std::result::Result<_, _>>()?;
     let families: std::collections::BTreeSet<_> = cidrs.iter().map(crate::model::IpFamily::of_net).collect();
     if families.len() != cidrs.len() {
@@ -684,7 +850,11 @@ pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> C
         c.masquerade_all = all;
     }
     if !p.node_port_addresses.is_empty() {
-        let cidrs: Vec<IpNet> = p.node_port_addresses.iter().filter_map(|a| a.parse().ok()).collect();
+        let cidrs: Vec<IpNet> = p
+            .node_port_addresses
+            .iter()
+            .filter_map(|a| a.parse().ok())
+            .collect();
         c.node_port_addresses = if p.node_port_addresses.iter().any(|a| a == "primary") {
             NodePortAddresses::Primary
         } else {
@@ -721,20 +891,47 @@ mod tests {
             ..Default::default()
         };
         let c = with_policy_settings(&config, Some(&proxy));
-        assert_eq!(c.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(), ["10.244.0.0/16", "fd00:10:244::/56"]);
+        assert_eq!(
+            c.cluster_cidrs
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["10.244.0.0/16", "fd00:10:244::/56"]
+        );
         assert!(c.masquerade_all);
-        assert_eq!(c.node_port_addresses, NodePortAddresses::Cidrs(vec!["10.250.0.0/24".parse().expect("net")]));
-        let primary = ProxySettings { node_port_addresses: vec!["primary".into()], ..Default::default() };
-        assert_eq!(with_policy_settings(&config, Some(&primary)).node_port_addresses, NodePortAddresses::Primary);
+        assert_eq!(
+            c.node_port_addresses,
+            NodePortAddresses::Cidrs(vec!["10.250.0.0/24".parse().expect("net")])
+        );
+        let primary = ProxySettings {
+            node_port_addresses: vec!["primary".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            with_policy_settings(&config, Some(&primary)).node_port_addresses,
+            NodePortAddresses::Primary
+        );
         let unchanged = with_policy_settings(&config, None);
-        assert_eq!((unchanged.cluster_cidrs, unchanged.masquerade_all), (vec![], false));
+        assert_eq!(
+            (unchanged.cluster_cidrs, unchanged.masquerade_all),
+            (vec![], false)
+        );
     }
 
     #[test]
     fn cluster_cidrs_take_one_per_family() {
-        assert_eq!(parse_cluster_cidrs("10.244.1.0/16").map(|c| c[0].to_string()), Ok("10.244.0.0/16".into()));
-        assert_eq!(parse_cluster_cidrs("10.244.0.0/16, fd00:10:244::/56").map(|c| c.len()), Ok(2));
-        assert!(parse_cluster_cidrs("10.244.0.0/16,10.245.0.0/16").is_err_and(|e| e.contains("at most one CIDR per IP family")));
+        assert_eq!(
+            parse_cluster_cidrs("10.244.1.0/16").map(|c| c[0].to_string()),
+            Ok("10.244.0.0/16".into())
+        );
+        assert_eq!(
+            parse_cluster_cidrs("10.244.0.0/16, fd00:10:244::/56").map(|c| c.len()),
+            Ok(2)
+        );
+        assert!(
+            parse_cluster_cidrs("10.244.0.0/16,10.245.0.0/16")
+                .is_err_and(|e| e.contains("at most one CIDR per IP family"))
+        );
         assert!(parse_cluster_cidrs("10.244.0.0/33").is_err());
     }
 }

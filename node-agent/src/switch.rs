@@ -53,7 +53,14 @@ pub struct SwitchState {
 impl SwitchState {
     /// Active in `mode`, nothing pending.
     pub fn active(mode: ProxyMode) -> Self {
-        Self { phase: Phase::Active, active: mode, target: None, token: None, answered: None, restarts: 0 }
+        Self {
+            phase: Phase::Active,
+            active: mode,
+            target: None,
+            token: None,
+            answered: None,
+            restarts: 0,
+        }
     }
 }
 
@@ -120,38 +127,58 @@ pub enum Step {
 
 /// Decides the next step from the persisted state, the wish, what the kernel supports and the
 /// gate's progress. Pure.
-pub fn decide(state: &SwitchState, desired: Option<&Desired>, supported: &[ProxyMode], gate: Gate, progress: GateProgress) -> Step {
+pub fn decide(
+    state: &SwitchState,
+    desired: Option<&Desired>,
+    supported: &[ProxyMode],
+    gate: Gate,
+    progress: GateProgress,
+) -> Step {
     match state.phase {
         Phase::Active => match desired {
             Some(d) if d.mode != state.active && (d.token.is_none() || d.token != state.answered) => {
                 if supported.contains(&d.mode) {
-                    Step::Prepare { target: d.mode, token: d.token.clone() }
+                    Step::Prepare {
+                        target: d.mode,
+                        token: d.token.clone(),
+                    }
                 } else {
-                    Step::Refuse { reason: format!("this node cannot run {} (supported: {supported:?})", d.mode) }
+                    Step::Refuse {
+                        reason: format!("this node cannot run {} (supported: {supported:?})", d.mode),
+                    }
                 }
             }
             _ => Step::Idle,
         },
         _ if desired.is_some_and(|d| Some(d.mode) != state.target) && state.phase != Phase::RollingBack => {
-            Step::RollBack { reason: "the desired mode changed during the switch".into() }
+            Step::RollBack {
+                reason: "the desired mode changed during the switch".into(),
+            }
         }
         Phase::Preparing => Step::CutOver,
         Phase::CutOver => Step::Verify,
         Phase::Verifying => {
             if progress.consecutive_failures >= gate.failure_threshold {
                 Step::RollBack {
-                    reason: format!("health gate failed {} consecutive probe rounds", progress.consecutive_failures),
+                    reason: format!(
+                        "health gate failed {} consecutive probe rounds",
+                        progress.consecutive_failures
+                    ),
                 }
             } else if progress.healthy_for >= gate.min_healthy && progress.consecutive_failures == 0 {
                 Step::Clean
             } else if progress.elapsed >= gate.timeout {
-                Step::RollBack { reason: format!("health gate not passed within {}s", gate.timeout.as_secs()) }
+                Step::RollBack {
+                    reason: format!("health gate not passed within {}s", gate.timeout.as_secs()),
+                }
             } else {
                 Step::Verify
             }
         }
         Phase::Cleaning => Step::Clean,
-        Phase::RollingBack => Step::RollBack { reason: "resuming rollback".into() },
+        Phase::RollingBack => Step::RollBack {
+            reason: "resuming rollback".into(),
+        },
     }
 }
 
@@ -174,12 +201,22 @@ pub struct Recovery {
 /// Recovers from a persisted state: Cleaning finishes forward (the gate had passed); any earlier
 /// phase returns to the old backend and retries later (unless it was interrupted too often).
 pub fn recover(persisted: &SwitchState) -> Recovery {
-    let others = |keep: ProxyMode| ProxyMode::ALL.iter().copied().filter(|m| *m != keep).collect::<Vec<_>>();
+    let others = |keep: ProxyMode| {
+        ProxyMode::ALL
+            .iter()
+            .copied()
+            .filter(|m| *m != keep)
+            .collect::<Vec<_>>()
+    };
     match (persisted.phase, persisted.target) {
         (Phase::Active, _) | (_, None) => Recovery {
             serve: persisted.active,
             remove: others(persisted.active),
-            state: SwitchState { phase: Phase::Active, target: None, ..persisted.clone() },
+            state: SwitchState {
+                phase: Phase::Active,
+                target: None,
+                ..persisted.clone()
+            },
             result: None,
         },
         (Phase::Cleaning, Some(target)) => Recovery {
@@ -193,7 +230,10 @@ pub fn recover(persisted: &SwitchState) -> Recovery {
                 token: None,
                 restarts: 0,
             },
-            result: Some(("Succeeded", "switch completed after an agent restart during cleaning".into())),
+            result: Some((
+                "Succeeded",
+                "switch completed after an agent restart during cleaning".into(),
+            )),
         },
         (phase, Some(_)) => {
             let restarts = persisted.restarts + 1;
@@ -205,11 +245,20 @@ pub fn recover(persisted: &SwitchState) -> Recovery {
                     phase: Phase::Active,
                     active: persisted.active,
                     target: None,
-                    answered: if give_up { persisted.token.clone() } else { persisted.answered.clone() },
+                    answered: if give_up {
+                        persisted.token.clone()
+                    } else {
+                        persisted.answered.clone()
+                    },
                     token: None,
                     restarts: if give_up { 0 } else { restarts },
                 },
-                result: give_up.then(|| ("Failed", format!("the agent restarted {restarts} times during the switch (last in {phase:?})"))),
+                result: give_up.then(|| {
+                    (
+                        "Failed",
+                        format!("the agent restarted {restarts} times during the switch (last in {phase:?})"),
+                    )
+                }),
             }
         }
     }
@@ -220,13 +269,27 @@ mod tests {
     use super::*;
     use ProxyMode::*;
 
-    const GATE: Gate = Gate { min_healthy: Duration::from_secs(10), timeout: Duration::from_secs(60), failure_threshold: 3 };
+    const GATE: Gate = Gate {
+        min_healthy: Duration::from_secs(10),
+        timeout: Duration::from_secs(60),
+        failure_threshold: 3,
+    };
 
     fn st(phase: Phase, active: ProxyMode, target: Option<ProxyMode>) -> SwitchState {
-        SwitchState { phase, active, target, token: Some("t1".into()), answered: None, restarts: 0 }
+        SwitchState {
+            phase,
+            active,
+            target,
+            token: Some("t1".into()),
+            answered: None,
+            restarts: 0,
+        }
     }
     fn want(mode: ProxyMode, token: &str) -> Desired {
-        Desired { mode, token: Some(token.into()) }
+        Desired {
+            mode,
+            token: Some(token.into()),
+        }
     }
     fn secs(s: u64) -> Duration {
         Duration::from_secs(s)
@@ -235,41 +298,163 @@ mod tests {
     #[test]
     fn decide_table() {
         let both = [Iptables, Nftables];
-        let ok = |healthy: u64, elapsed: u64| GateProgress { elapsed: secs(elapsed), healthy_for: secs(healthy), consecutive_failures: 0 };
+        let ok = |healthy: u64, elapsed: u64| GateProgress {
+            elapsed: secs(elapsed),
+            healthy_for: secs(healthy),
+            consecutive_failures: 0,
+        };
         let cases: Vec<(&str, SwitchState, Option<Desired>, GateProgress, Step)> = vec![
-            ("no wish", SwitchState::active(Iptables), None, ok(0, 0), Step::Idle),
-            ("already there", SwitchState::active(Nftables), Some(want(Nftables, "t1")), ok(0, 0), Step::Idle),
-            ("new wish", SwitchState::active(Iptables), Some(want(Nftables, "t1")),
-                ok(0, 0), Step::Prepare { target: Nftables, token: Some("t1".into()) }),
-            ("answered token is not retried", SwitchState { answered: Some("t1".into()), ..SwitchState::active(Iptables) },
-                Some(want(Nftables, "t1")), ok(0, 0), Step::Idle),
-            ("a new token retries", SwitchState { answered: Some("t1".into()), ..SwitchState::active(Iptables) },
-                Some(want(Nftables, "t2")), ok(0, 0), Step::Prepare { target: Nftables, token: Some("t2".into()) }),
-            ("unsupported", SwitchState::active(Iptables), Some(want(Ipvs, "t1")), ok(0, 0),
-                Step::Refuse { reason: "this node cannot run ipvs (supported: [Iptables, Nftables])".into() }),
-            ("prepared", st(Phase::Preparing, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(0, 0), Step::CutOver),
-            ("cut over", st(Phase::CutOver, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(0, 0), Step::Verify),
-            ("verifying, not yet", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(5, 5), Step::Verify),
-            ("verified", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(10, 12), Step::Clean),
-            ("failures", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")),
-                GateProgress { elapsed: secs(3), healthy_for: secs(0), consecutive_failures: 3 },
-                Step::RollBack { reason: "health gate failed 3 consecutive probe rounds".into() }),
-            ("two failures are tolerated", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")),
-                GateProgress { elapsed: secs(3), healthy_for: secs(0), consecutive_failures: 2 }, Step::Verify),
-            ("timeout", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(2, 60),
-                Step::RollBack { reason: "health gate not passed within 60s".into() }),
-            ("wish changed mid-switch", st(Phase::Verifying, Iptables, Some(Nftables)), Some(want(Iptables, "t2")), ok(10, 12),
-                Step::RollBack { reason: "the desired mode changed during the switch".into() }),
-            ("cleaning continues", st(Phase::Cleaning, Iptables, Some(Nftables)), Some(want(Nftables, "t1")), ok(0, 0), Step::Clean),
+            (
+                "no wish",
+                SwitchState::active(Iptables),
+                None,
+                ok(0, 0),
+                Step::Idle,
+            ),
+            (
+                "already there",
+                SwitchState::active(Nftables),
+                Some(want(Nftables, "t1")),
+                ok(0, 0),
+                Step::Idle,
+            ),
+            (
+                "new wish",
+                SwitchState::active(Iptables),
+                Some(want(Nftables, "t1")),
+                ok(0, 0),
+                Step::Prepare {
+                    target: Nftables,
+                    token: Some("t1".into()),
+                },
+            ),
+            (
+                "answered token is not retried",
+                SwitchState {
+                    answered: Some("t1".into()),
+                    ..SwitchState::active(Iptables)
+                },
+                Some(want(Nftables, "t1")),
+                ok(0, 0),
+                Step::Idle,
+            ),
+            (
+                "a new token retries",
+                SwitchState {
+                    answered: Some("t1".into()),
+                    ..SwitchState::active(Iptables)
+                },
+                Some(want(Nftables, "t2")),
+                ok(0, 0),
+                Step::Prepare {
+                    target: Nftables,
+                    token: Some("t2".into()),
+                },
+            ),
+            (
+                "unsupported",
+                SwitchState::active(Iptables),
+                Some(want(Ipvs, "t1")),
+                ok(0, 0),
+                Step::Refuse {
+                    reason: "this node cannot run ipvs (supported: [Iptables, Nftables])".into(),
+                },
+            ),
+            (
+                "prepared",
+                st(Phase::Preparing, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                ok(0, 0),
+                Step::CutOver,
+            ),
+            (
+                "cut over",
+                st(Phase::CutOver, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                ok(0, 0),
+                Step::Verify,
+            ),
+            (
+                "verifying, not yet",
+                st(Phase::Verifying, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                ok(5, 5),
+                Step::Verify,
+            ),
+            (
+                "verified",
+                st(Phase::Verifying, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                ok(10, 12),
+                Step::Clean,
+            ),
+            (
+                "failures",
+                st(Phase::Verifying, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                GateProgress {
+                    elapsed: secs(3),
+                    healthy_for: secs(0),
+                    consecutive_failures: 3,
+                },
+                Step::RollBack {
+                    reason: "health gate failed 3 consecutive probe rounds".into(),
+                },
+            ),
+            (
+                "two failures are tolerated",
+                st(Phase::Verifying, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                GateProgress {
+                    elapsed: secs(3),
+                    healthy_for: secs(0),
+                    consecutive_failures: 2,
+                },
+                Step::Verify,
+            ),
+            (
+                "timeout",
+                st(Phase::Verifying, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                ok(2, 60),
+                Step::RollBack {
+                    reason: "health gate not passed within 60s".into(),
+                },
+            ),
+            (
+                "wish changed mid-switch",
+                st(Phase::Verifying, Iptables, Some(Nftables)),
+                Some(want(Iptables, "t2")),
+                ok(10, 12),
+                Step::RollBack {
+                    reason: "the desired mode changed during the switch".into(),
+                },
+            ),
+            (
+                "cleaning continues",
+                st(Phase::Cleaning, Iptables, Some(Nftables)),
+                Some(want(Nftables, "t1")),
+                ok(0, 0),
+                Step::Clean,
+            ),
         ];
         for (what, state, desired, progress, step) in cases {
-            assert_eq!(decide(&state, desired.as_ref(), &both, GATE, progress), step, "{what}");
+            assert_eq!(
+                decide(&state, desired.as_ref(), &both, GATE, progress),
+                step,
+                "{what}"
+            );
         }
     }
 
     #[test]
     fn recovery_leaves_exactly_one_backend() {
-        for phase in [Phase::Preparing, Phase::CutOver, Phase::Verifying, Phase::RollingBack] {
+        for phase in [
+            Phase::Preparing,
+            Phase::CutOver,
+            Phase::Verifying,
+            Phase::RollingBack,
+        ] {
             let r = recover(&st(phase, Iptables, Some(Nftables)));
             assert_eq!(r.serve, Iptables, "{phase:?}");
             assert_eq!(r.remove, vec![Ipvs, Nftables], "{phase:?}");
@@ -281,9 +466,16 @@ mod tests {
         assert_eq!((r.serve, r.remove.clone()), (Nftables, vec![Iptables, Ipvs]));
         assert_eq!(r.state.answered.as_deref(), Some("t1"));
         assert_eq!(r.result.map(|x| x.0), Some("Succeeded"));
-        let r = recover(&SwitchState { restarts: MAX_RESTARTS - 1, ..st(Phase::Verifying, Iptables, Some(Nftables)) });
+        let r = recover(&SwitchState {
+            restarts: MAX_RESTARTS - 1,
+            ..st(Phase::Verifying, Iptables, Some(Nftables))
+        });
         assert_eq!(r.result.map(|x| x.0), Some("Failed"));
-        assert_eq!(r.state.answered.as_deref(), Some("t1"), "given up: the token is answered");
+        assert_eq!(
+            r.state.answered.as_deref(),
+            Some("t1"),
+            "given up: the token is answered"
+        );
         let r = recover(&SwitchState::active(Nftables));
         assert_eq!((r.serve, r.remove), (Nftables, vec![Iptables, Ipvs]));
     }

@@ -45,7 +45,11 @@ pub fn removal_input(table: &str, save: &str) -> String {
     for line in save.lines().filter(|l| l.starts_with("-A ")) {
         let mut words = line.split_whitespace().skip(1);
         let chain = words.next().unwrap_or_default();
-        let target = line.split(" -j ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap_or_default();
+        let target = line
+            .split(" -j ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .unwrap_or_default();
         if !is_kube_proxy_chain(chain) && is_kube_proxy_chain(target) {
             out.push_str(&line.replacen("-A ", "-D ", 1));
             out.push('\n');
@@ -67,12 +71,18 @@ pub fn takeover() -> (Vec<String>, Vec<String>) {
     let (mut removed, mut errors) = (Vec::new(), Vec::new());
     for family in IpFamily::ALL {
         match sys::nft::delete_table_if_present(family.nfproto(), "kube-proxy") {
-            Ok(true) => removed.push(format!("nftables table {} kube-proxy", crate::backend::nftables::ir::family_name(family))),
+            Ok(true) => removed.push(format!(
+                "nftables table {} kube-proxy",
+                crate::backend::nftables::ir::family_name(family)
+            )),
             Ok(false) => {}
             Err(e) => errors.push(format!("nftables kube-proxy table: {e}")),
         }
     }
-    for (variant, family) in [Variant::Legacy, Variant::Nft].into_iter().flat_map(|v| IpFamily::ALL.map(|f| (v, f))) {
+    for (variant, family) in [Variant::Legacy, Variant::Nft]
+        .into_iter()
+        .flat_map(|v| IpFamily::ALL.map(|f| (v, f)))
+    {
         let ipt = Iptables::new(variant, None).for_family(family);
         let tool = ipt.binary("iptables");
         for (table, name) in [(Table::Filter, "filter"), (Table::Nat, "nat")] {
@@ -108,6 +118,12 @@ mod tests {
             "*nat\n-D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
              :KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n-X KUBE-SERVICES\n-X KUBE-SVC-ABC\nCOMMIT\n"
         );
-        assert_eq!(removal_input("nat", "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-MARK-DROP - [0:0]\nCOMMIT\n"), "");
+        assert_eq!(
+            removal_input(
+                "nat",
+                "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-MARK-DROP - [0:0]\nCOMMIT\n"
+            ),
+            ""
+        );
     }
 }

@@ -30,9 +30,17 @@ pub const SYSTEM_NAMESPACE: &str = "switchyard-system";
 pub fn install_switchyard(cp: &ControlPlane) -> Result<()> {
     let root = binaries::workspace_root();
     cp.install_crds()?;
-    for file in ["namespace.yaml", "agent.yaml", "agent-admission.yaml", "operator.yaml"] {
+    for file in [
+        "namespace.yaml",
+        "agent.yaml",
+        "agent-admission.yaml",
+        "operator.yaml",
+    ] {
         let path = root.join("config/rbac").join(file);
-        cp.kubectl_ok(&["apply", "--server-side", "-f", &path.display().to_string()], None)?;
+        cp.kubectl_ok(
+            &["apply", "--server-side", "-f", &path.display().to_string()],
+            None,
+        )?;
     }
     Ok(())
 }
@@ -54,7 +62,11 @@ pub async fn create_node(cp: &ControlPlane, node: &netns::Node) -> Result<Node> 
         {"type": "Hostname", "address": node.name},
     ]}});
     nodes
-        .patch_status(&node.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&status))
+        .patch_status(
+            &node.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
         .await?;
     Ok(created)
 }
@@ -74,7 +86,12 @@ pub async fn agent_token(cp: &ControlPlane, node: &str) -> Result<String> {
     .map_err(|e| Error::Prerequisite(e.to_string()))?;
     let created = pods.create(&PostParams::default(), &pod).await?;
     let uid = created.uid().unwrap_or_default();
-    cp.service_account_token(SYSTEM_NAMESPACE, "switchyard-agent", Some((&created.name_any(), &uid))).await
+    cp.service_account_token(
+        SYSTEM_NAMESPACE,
+        "switchyard-agent",
+        Some((&created.name_any(), &uid)),
+    )
+    .await
 }
 
 /// A fresh token bound to the existing agent Pod of `node` (for restarting an agent).
@@ -82,7 +99,12 @@ pub async fn node_token(cp: &ControlPlane, node: &str) -> Result<String> {
     let pods: Api<Pod> = Api::namespaced(cp.admin_client().await?, SYSTEM_NAMESPACE);
     let pod = pods.get(&format!("switchyard-agent-{node}")).await?;
     let uid = pod.uid().unwrap_or_default();
-    cp.service_account_token(SYSTEM_NAMESPACE, "switchyard-agent", Some((&pod.name_any(), &uid))).await
+    cp.service_account_token(
+        SYSTEM_NAMESPACE,
+        "switchyard-agent",
+        Some((&pod.name_any(), &uid)),
+    )
+    .await
 }
 
 /// A running agent process; killed on drop.
@@ -103,13 +125,27 @@ impl Agent {
     }
 
     /// Like [`Agent::start`], with extra environment variables (fault injection).
-    pub fn start_with_env(cp: &ControlPlane, node: &netns::Node, token: &str, extra_args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
+    pub fn start_with_env(
+        cp: &ControlPlane,
+        node: &netns::Node,
+        token: &str,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self> {
         let server = format!("https://{}:{}", controlplane::ADVERTISE_ADDRESS, cp.port);
-        let kubeconfig = cp.write_kubeconfig(&format!("agent-{}", node.name), &server, Credential::Token(token.into()))?;
+        let kubeconfig = cp.write_kubeconfig(
+            &format!("agent-{}", node.name),
+            &server,
+            Credential::Token(token.into()),
+        )?;
         let log = cp.dir().join(format!("agent-{}.log", node.name));
         let bin = binaries::workspace_bin("switchyard-agent")?;
         // Appended, so a restarted agent's log follows the previous one's.
-        let err = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(io_err("agent log"))?;
+        let err = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(io_err("agent log"))?;
         let out = err.try_clone().map_err(io_err("agent log"))?;
         let child = Command::new("ip")
             .envs(env.iter().copied())
@@ -127,7 +163,12 @@ impl Agent {
             .spawn()
             .map_err(io_err("start agent"))?;
         sweep::record_pid(cp.dir(), child.id());
-        Ok(Self { node: node.name.clone(), kubeconfig, log, child })
+        Ok(Self {
+            node: node.name.clone(),
+            kubeconfig,
+            log,
+            child,
+        })
     }
 
     /// The agent's log so far.
@@ -176,14 +217,19 @@ impl TestEnv {
         for node in &cluster.nodes {
             create_node(&cp, node).await?;
         }
-        Ok(Self { agents: Vec::new(), cluster, cp })
+        Ok(Self {
+            agents: Vec::new(),
+            cluster,
+            cp,
+        })
     }
 
     /// Starts an agent on every node.
     pub async fn start_agents(&mut self, extra_args: &[&str]) -> Result<()> {
         for node in &self.cluster.nodes {
             let token = agent_token(&self.cp, &node.name).await?;
-            self.agents.push(Agent::start(&self.cp, node, &token, extra_args)?);
+            self.agents
+                .push(Agent::start(&self.cp, node, &token, extra_args)?);
         }
         Ok(())
     }
@@ -209,6 +255,8 @@ pub async fn write_agent_status(client: &kube::Client, node: &str, status: serde
     let proxies: Api<switchyard_crds::v1alpha1::NodeProxy> = Api::all(client.clone());
     let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "status": status});
     let params = kube::api::PatchParams::apply(switchyard_crds::consts::AGENT_FIELD_MANAGER).force();
-    proxies.patch_status(node, &params, &kube::api::Patch::Apply(&body)).await?;
+    proxies
+        .patch_status(node, &params, &kube::api::Patch::Apply(&body))
+        .await?;
     Ok(())
 }

@@ -52,8 +52,19 @@ impl ControlPlane {
         let (pid, seq) = sweep::next_id();
         let dir = std::env::temp_dir().join(format!("{}-{pid}-{seq}", sweep::PREFIX));
         std::fs::create_dir_all(&dir).map_err(io_err("create run dir"))?;
-        let mut cp = Self { dir, processes: Vec::new(), port: 0, bin };
-        let pki = Pki::generate(&[IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V4(ADVERTISE_ADDRESS), "10.96.0.1".parse().map_err(|_| Error::Prerequisite("ip".into()))?])?;
+        let mut cp = Self {
+            dir,
+            processes: Vec::new(),
+            port: 0,
+            bin,
+        };
+        let pki = Pki::generate(&[
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V4(ADVERTISE_ADDRESS),
+            "10.96.0.1"
+                .parse()
+                .map_err(|_| Error::Prerequisite("ip".into()))?,
+        ])?;
         for (name, body) in [
             ("ca.crt", &pki.ca_cert),
             ("apiserver.crt", &pki.serving_cert),
@@ -104,7 +115,11 @@ impl ControlPlane {
                 "--endpoint-reconciler-type=lease",
             ],
         )?;
-        cp.write_kubeconfig("admin", &format!("https://127.0.0.1:{}", cp.port), Credential::Admin)?;
+        cp.write_kubeconfig(
+            "admin",
+            &format!("https://127.0.0.1:{}", cp.port),
+            Credential::Admin,
+        )?;
         cp.wait_ready().await?;
         Ok(cp)
     }
@@ -123,19 +138,28 @@ impl ControlPlane {
                     )));
                 }
             }
-            let req = http::Request::get("/readyz").body(Vec::new()).map_err(|e| Error::Prerequisite(e.to_string()))?;
+            let req = http::Request::get("/readyz")
+                .body(Vec::new())
+                .map_err(|e| Error::Prerequisite(e.to_string()))?;
             if client.request_text(req).await.is_ok_and(|t| t.trim() == "ok") {
                 return Ok(());
             }
             if start.elapsed() > limit {
-                return Err(Error::Timeout(limit, format!("kube-apiserver /readyz; its log ends:\n{}", self.log_tail("kube-apiserver"))));
+                return Err(Error::Timeout(
+                    limit,
+                    format!(
+                        "kube-apiserver /readyz; its log ends:\n{}",
+                        self.log_tail("kube-apiserver")
+                    ),
+                ));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
     fn spawn(&mut self, name: &str, args: &[&str]) -> Result<()> {
-        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).map_err(io_err("create log"))?;
+        let log =
+            std::fs::File::create(self.dir.join(format!("{name}.log"))).map_err(io_err("create log"))?;
         let err = log.try_clone().map_err(io_err("clone log"))?;
         let child = Command::new(self.bin.join(name))
             .args(args)
@@ -165,7 +189,9 @@ impl ControlPlane {
     pub fn write_kubeconfig(&self, name: &str, server: &str, credential: Credential) -> Result<PathBuf> {
         let d = self.dir.display();
         let user = match credential {
-            Credential::Admin => format!("    client-certificate: {d}/admin.crt\n    client-key: {d}/admin.key\n"),
+            Credential::Admin => {
+                format!("    client-certificate: {d}/admin.crt\n    client-key: {d}/admin.key\n")
+            }
             Credential::Token(token) => format!("    token: {token}\n"),
         };
         let text = format!(
@@ -197,7 +223,12 @@ impl ControlPlane {
 
     /// Issues a token for a service account with the TokenRequest API, optionally bound to a Pod
     /// (whose `spec.nodeName` then becomes the token's node-name claim).
-    pub async fn service_account_token(&self, namespace: &str, name: &str, bound_pod: Option<(&str, &str)>) -> Result<String> {
+    pub async fn service_account_token(
+        &self,
+        namespace: &str,
+        name: &str,
+        bound_pod: Option<(&str, &str)>,
+    ) -> Result<String> {
         let sas: Api<ServiceAccount> = Api::namespaced(self.admin_client().await?, namespace);
         let request = TokenRequest {
             spec: TokenRequestSpec {
@@ -212,7 +243,9 @@ impl ControlPlane {
             },
             ..Default::default()
         };
-        let issued: TokenRequest = sas.create_subresource("token", name, &PostParams::default(), &request).await?;
+        let issued: TokenRequest = sas
+            .create_subresource("token", name, &PostParams::default(), &request)
+            .await?;
         issued
             .status
             .map(|s| s.token)
@@ -221,7 +254,11 @@ impl ControlPlane {
 
     /// A client authenticating with `token` (over the loopback address).
     pub async fn token_client(&self, name: &str, token: &str) -> Result<Client> {
-        let path = self.write_kubeconfig(name, &format!("https://127.0.0.1:{}", self.port), Credential::Token(token.into()))?;
+        let path = self.write_kubeconfig(
+            name,
+            &format!("https://127.0.0.1:{}", self.port),
+            Credential::Token(token.into()),
+        )?;
         Self::client_from(&path).await
     }
 
@@ -231,7 +268,12 @@ impl ControlPlane {
     }
 
     /// Runs kubectl with the given kubeconfig.
-    pub fn kubectl_as(&self, kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Result<(bool, String, String)> {
+    pub fn kubectl_as(
+        &self,
+        kubeconfig: &Path,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<(bool, String, String)> {
         use std::io::Write;
         let mut child = Command::new(self.bin.join("kubectl"))
             .arg(format!("--kubeconfig={}", kubeconfig.display()))
@@ -242,7 +284,9 @@ impl ControlPlane {
             .spawn()
             .map_err(io_err("start kubectl"))?;
         if let Some(mut input) = child.stdin.take() {
-            input.write_all(stdin.unwrap_or_default().as_bytes()).map_err(io_err("kubectl stdin"))?;
+            input
+                .write_all(stdin.unwrap_or_default().as_bytes())
+                .map_err(io_err("kubectl stdin"))?;
         }
         let out = child.wait_with_output().map_err(io_err("kubectl"))?;
         Ok((
@@ -258,14 +302,20 @@ impl ControlPlane {
         if ok {
             Ok(out)
         } else {
-            Err(Error::Command { command: format!("kubectl {}", args.join(" ")), detail: err })
+            Err(Error::Command {
+                command: format!("kubectl {}", args.join(" ")),
+                detail: err,
+            })
         }
     }
 
     /// Installs the CRDs from the kustomize base `config/crd` and waits until they are established.
     pub fn install_crds(&self) -> Result<()> {
         let dir = binaries::workspace_root().join("config/crd");
-        self.kubectl_ok(&["apply", "--server-side", "-k", &dir.display().to_string()], None)?;
+        self.kubectl_ok(
+            &["apply", "--server-side", "-k", &dir.display().to_string()],
+            None,
+        )?;
         self.wait_crds_established()
     }
 

@@ -93,7 +93,10 @@ pub fn run(program: &str, args: &[&str]) -> Result<String> {
     let out = std::process::Command::new(program)
         .args(args)
         .output()
-        .map_err(|e| Error::Command { command: format!("{program} {}", args.join(" ")), detail: e.to_string() })?;
+        .map_err(|e| Error::Command {
+            command: format!("{program} {}", args.join(" ")),
+            detail: e.to_string(),
+        })?;
     if !out.status.success() {
         return Err(Error::Command {
             command: format!("{program} {}", args.join(" ")),

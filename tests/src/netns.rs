@@ -131,12 +131,16 @@ fn ip6_in(ns: &str, args: &[&str]) -> Result<String> {
 }
 
 fn sysctl_in(ns: &str, key: &str, value: &str) -> Result<String> {
-    run("ip", &["netns", "exec", ns, "sysctl", "-qw", &format!("{key}={value}")])
+    run(
+        "ip",
+        &["netns", "exec", ns, "sysctl", "-qw", &format!("{key}={value}")],
+    )
 }
 
 /// Parses an IPv6 address written from the IPv4 layout (`fd00:10:250::11` for node-1).
 fn v6(text: String) -> Result<Ipv6Addr> {
-    text.parse().map_err(|_| Error::Prerequisite(format!("not an IPv6 address: {text}")))
+    text.parse()
+        .map_err(|_| Error::Prerequisite(format!("not an IPv6 address: {text}")))
 }
 
 impl Cluster {
@@ -155,9 +159,24 @@ impl Cluster {
             forwarder: None,
         };
         cluster.add_netns(&fabric)?;
-        ip_in(&fabric, &["link", "add", "br0", "type", "bridge", "mcast_snooping", "0"])?;
-        ip_in(&fabric, &["addr", "add", &format!("{}/24", controlplane::ADVERTISE_ADDRESS), "dev", "br0"])?;
-        ip6_in(&fabric, &["addr", "add", &format!("{FABRIC_IP6}/64"), "dev", "br0", "nodad"])?;
+        ip_in(
+            &fabric,
+            &["link", "add", "br0", "type", "bridge", "mcast_snooping", "0"],
+        )?;
+        ip_in(
+            &fabric,
+            &[
+                "addr",
+                "add",
+                &format!("{}/24", controlplane::ADVERTISE_ADDRESS),
+                "dev",
+                "br0",
+            ],
+        )?;
+        ip6_in(
+            &fabric,
+            &["addr", "add", &format!("{FABRIC_IP6}/64"), "dev", "br0", "nodad"],
+        )?;
         ip_in(&fabric, &["link", "set", "br0", "up"])?;
         sysctl_in(&fabric, "net.ipv4.ip_forward", "1")?;
         sysctl_in(&fabric, "net.ipv6.conf.all.forwarding", "1")?;
@@ -168,17 +187,55 @@ impl Cluster {
             let ip = Ipv4Addr::new(10, 250, 0, 10 + i as u8);
             let ip6 = v6(format!("fd00:10:250::{}", 10 + i))?;
             cluster.add_netns(&netns)?;
-            ip_in(&fabric, &["link", "add", &format!("n{i}"), "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
+            ip_in(
+                &fabric,
+                &[
+                    "link",
+                    "add",
+                    &format!("n{i}"),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    &netns,
+                ],
+            )?;
             ip_in(&fabric, &["link", "set", &format!("n{i}"), "master", "br0", "up"])?;
             ip_in(&netns, &["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
-            ip6_in(&netns, &["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
+            ip6_in(
+                &netns,
+                &["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"],
+            )?;
             ip_in(&netns, &["link", "set", "eth0", "up"])?;
-            ip_in(&netns, &["route", "add", "default", "via", &controlplane::ADVERTISE_ADDRESS.to_string()])?;
-            ip6_in(&netns, &["route", "add", "default", "via", &FABRIC_IP6.to_string()])?;
-            ip_in(&netns, &["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"])?;
-            ip_in(&netns, &["addr", "add", &format!("10.244.{i}.1/24"), "dev", "cbr0"])?;
+            ip_in(
+                &netns,
+                &[
+                    "route",
+                    "add",
+                    "default",
+                    "via",
+                    &controlplane::ADVERTISE_ADDRESS.to_string(),
+                ],
+            )?;
+            ip6_in(
+                &netns,
+                &["route", "add", "default", "via", &FABRIC_IP6.to_string()],
+            )?;
+            ip_in(
+                &netns,
+                &["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"],
+            )?;
+            ip_in(
+                &netns,
+                &["addr", "add", &format!("10.244.{i}.1/24"), "dev", "cbr0"],
+            )?;
             let gateway6 = v6(format!("fd00:10:244:{i}::1"))?;
-            ip6_in(&netns, &["addr", "add", &format!("{gateway6}/64"), "dev", "cbr0", "nodad"])?;
+            ip6_in(
+                &netns,
+                &["addr", "add", &format!("{gateway6}/64"), "dev", "cbr0", "nodad"],
+            )?;
             ip_in(&netns, &["link", "set", "cbr0", "up"])?;
             sysctl_in(&netns, "net.ipv4.ip_forward", "1")?;
             sysctl_in(&netns, "net.ipv6.conf.all.forwarding", "1")?;
@@ -186,23 +243,70 @@ impl Cluster {
             let pod_cidr6 = format!("fd00:10:244:{i}::/64");
             ip_in(&fabric, &["route", "add", &pod_cidr, "via", &ip.to_string()])?;
             ip6_in(&fabric, &["route", "add", &pod_cidr6, "via", &ip6.to_string()])?;
-            let mut node = Node { name, netns: netns.clone(), ip, ip6, pod_cidr, pod_cidr6, pods: Vec::new() };
+            let mut node = Node {
+                name,
+                netns: netns.clone(),
+                ip,
+                ip6,
+                pod_cidr,
+                pod_cidr6,
+                pods: Vec::new(),
+            };
             for k in 1..=pods_per_node {
                 let pod_ns = format!("{netns}-p{k}");
                 let pod_ip = Ipv4Addr::new(10, 244, i as u8, 10 + k as u8);
                 let pod_ip6 = v6(format!("fd00:10:244:{i}::{}", 10 + k))?;
                 cluster.add_netns(&pod_ns)?;
-                ip_in(&netns, &["link", "add", &format!("p{k}"), "type", "veth", "peer", "name", "eth0", "netns", &pod_ns])?;
+                ip_in(
+                    &netns,
+                    &[
+                        "link",
+                        "add",
+                        &format!("p{k}"),
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        "eth0",
+                        "netns",
+                        &pod_ns,
+                    ],
+                )?;
                 ip_in(&netns, &["link", "set", &format!("p{k}"), "master", "cbr0", "up"])?;
                 // As CNI bridge plugins do (hairpinMode): with br_netfilter, a pod reaching itself
                 // through a Service is bridged back out of the port it came in on.
-                ip_in(&netns, &["link", "set", &format!("p{k}"), "type", "bridge_slave", "hairpin", "on"])?;
+                ip_in(
+                    &netns,
+                    &[
+                        "link",
+                        "set",
+                        &format!("p{k}"),
+                        "type",
+                        "bridge_slave",
+                        "hairpin",
+                        "on",
+                    ],
+                )?;
                 ip_in(&pod_ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
-                ip6_in(&pod_ns, &["addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"])?;
+                ip6_in(
+                    &pod_ns,
+                    &["addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"],
+                )?;
                 ip_in(&pod_ns, &["link", "set", "eth0", "up"])?;
-                ip_in(&pod_ns, &["route", "add", "default", "via", &format!("10.244.{i}.1")])?;
-                ip6_in(&pod_ns, &["route", "add", "default", "via", &gateway6.to_string()])?;
-                node.pods.push(Pod { name: format!("{}-pod-{k}", node.name), netns: pod_ns, ip: pod_ip, ip6: pod_ip6 });
+                ip_in(
+                    &pod_ns,
+                    &["route", "add", "default", "via", &format!("10.244.{i}.1")],
+                )?;
+                ip6_in(
+                    &pod_ns,
+                    &["route", "add", "default", "via", &gateway6.to_string()],
+                )?;
+                node.pods.push(Pod {
+                    name: format!("{}-pod-{k}", node.name),
+                    netns: pod_ns,
+                    ip: pod_ip,
+                    ip6: pod_ip6,
+                });
             }
             cluster.nodes.push(node);
         }
@@ -210,7 +314,10 @@ impl Cluster {
         for a in &cluster.nodes {
             for b in cluster.nodes.iter().filter(|b| b.name != a.name) {
                 ip_in(&a.netns, &["route", "add", &b.pod_cidr, "via", &b.ip.to_string()])?;
-                ip6_in(&a.netns, &["route", "add", &b.pod_cidr6, "via", &b.ip6.to_string()])?;
+                ip6_in(
+                    &a.netns,
+                    &["route", "add", &b.pod_cidr6, "via", &b.ip6.to_string()],
+                )?;
             }
         }
         cluster.start_forwarder(apiserver_port)?;
@@ -230,8 +337,13 @@ impl Cluster {
     /// Listens on the fabric's apiserver address and forwards each connection to the apiserver.
     fn start_forwarder(&mut self, apiserver_port: u16) -> Result<()> {
         // Same port as the apiserver's: the `default/kubernetes` EndpointSlice names it.
-        let listener = listen_in_netns(&self.fabric, SocketAddrV4::new(controlplane::ADVERTISE_ADDRESS, apiserver_port))?;
-        listener.set_nonblocking(true).map_err(io_err("nonblocking listener"))?;
+        let listener = listen_in_netns(
+            &self.fabric,
+            SocketAddrV4::new(controlplane::ADVERTISE_ADDRESS, apiserver_port),
+        )?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("nonblocking listener"))?;
         let stop = self.stop.clone();
         self.forwarder = Some(std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
@@ -243,7 +355,9 @@ impl Cluster {
                             pipe(inbound, outbound);
                         }
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             }
@@ -288,11 +402,13 @@ fn listen_in_netns(netns: &str, addr: SocketAddrV4) -> Result<TcpListener> {
     let netns = netns.to_owned();
     std::thread::spawn(move || -> Result<TcpListener> {
         let own = File::open("/proc/thread-self/ns/net").map_err(io_err("open own netns"))?;
-        let target = File::open(format!("/run/netns/{netns}")).map_err(io_err(format!("open netns {netns}")))?;
+        let target =
+            File::open(format!("/run/netns/{netns}")).map_err(io_err(format!("open netns {netns}")))?;
         setns(target.as_fd(), CloneFlags::CLONE_NEWNET)
             .map_err(|e| Error::Prerequisite(format!("setns {netns}: {e}")))?;
         let listener = TcpListener::bind(addr).map_err(io_err(format!("bind {addr} in {netns}")));
-        setns(own.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| Error::Prerequisite(format!("setns back: {e}")))?;
+        setns(own.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|e| Error::Prerequisite(format!("setns back: {e}")))?;
         listener
     })
     .join()
@@ -309,7 +425,10 @@ impl Drop for Cluster {
             // Processes still inside (agents, servers) were started by this harness.
             if let Ok(pids) = run("ip", &["netns", "pids", ns]) {
                 for p in pids.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(p),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
                 }
             }
             let _ = run("ip", &["netns", "del", ns]);

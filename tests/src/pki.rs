@@ -30,7 +30,9 @@ impl Pki {
     /// Generates everything; `serving_ips` become IP SANs of the serving certificate.
     pub fn generate(serving_ips: &[std::net::IpAddr]) -> Result<Self> {
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-        ca_params.distinguished_name.push(DnType::CommonName, "switchyard-test-ca");
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "switchyard-test-ca");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
@@ -41,15 +43,23 @@ impl Pki {
             "kubernetes.default".to_owned(),
             "kubernetes.default.svc".to_owned(),
         ])?;
-        serving.subject_alt_names.extend(serving_ips.iter().map(|ip| SanType::IpAddress(*ip)));
-        serving.distinguished_name.push(DnType::CommonName, "kube-apiserver");
+        serving
+            .subject_alt_names
+            .extend(serving_ips.iter().map(|ip| SanType::IpAddress(*ip)));
+        serving
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
         serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let serving_key = KeyPair::generate()?;
         let serving_cert = serving.signed_by(&serving_key, &ca)?;
 
         let mut admin = CertificateParams::new(Vec::<String>::new())?;
-        admin.distinguished_name.push(DnType::CommonName, "switchyard-test-admin");
-        admin.distinguished_name.push(DnType::OrganizationName, "system:masters");
+        admin
+            .distinguished_name
+            .push(DnType::CommonName, "switchyard-test-admin");
+        admin
+            .distinguished_name
+            .push(DnType::OrganizationName, "system:masters");
         admin.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         let admin_key = KeyPair::generate()?;
         let admin_cert = admin.signed_by(&admin_key, &ca)?;

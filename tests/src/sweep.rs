@@ -37,7 +37,11 @@ pub fn owner_pid(name: &str) -> Option<u32> {
 /// Records `pid` as started by the run in `dir`.
 pub fn record_pid(dir: &Path, pid: u32) {
     use std::io::Write;
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("pids")) {
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("pids"))
+    {
         let _ = writeln!(f, "{pid}");
     }
 }

@@ -31,7 +31,15 @@ pub fn start_server(pod: &Pod, tcp: &[u16], udp: &[u16]) -> Result<Server> {
     let mut child = Command::new("ip")
         .args(["netns", "exec", &pod.netns])
         .arg(bin)
-        .args(["serve", "--name", &pod.name, "--tcp", &join(tcp), "--udp", &join(udp)])
+        .args([
+            "serve",
+            "--name",
+            &pod.name,
+            "--tcp",
+            &join(tcp),
+            "--udp",
+            &join(udp),
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -43,7 +51,10 @@ pub fn start_server(pod: &Pod, tcp: &[u16], udp: &[u16]) -> Result<Server> {
     }
     if line.trim() != "ready" {
         let _ = child.kill();
-        return Err(Error::Prerequisite(format!("swy-echo in {} did not start", pod.netns)));
+        return Err(Error::Prerequisite(format!(
+            "swy-echo in {} did not start",
+            pod.netns
+        )));
     }
     Ok(Server { child })
 }
@@ -85,13 +96,30 @@ impl Outcome {
 }
 
 /// Makes `count` attempts from `netns` to `target` and returns their outcomes.
-pub fn probe(netns: &str, target: SocketAddr, udp: bool, count: u32, timeout_ms: u64) -> Result<Vec<Outcome>> {
+pub fn probe(
+    netns: &str,
+    target: SocketAddr,
+    udp: bool,
+    count: u32,
+    timeout_ms: u64,
+) -> Result<Vec<Outcome>> {
     let bin = binaries::workspace_bin("swy-echo")?;
     let out = Command::new("ip")
         .args(["netns", "exec", netns])
         .arg(bin)
-        .args(["client", "--target", &target.to_string(), "--proto", if udp { "udp" } else { "tcp" }])
-        .args(["--count", &count.to_string(), "--timeout-ms", &timeout_ms.to_string()])
+        .args([
+            "client",
+            "--target",
+            &target.to_string(),
+            "--proto",
+            if udp { "udp" } else { "tcp" },
+        ])
+        .args([
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            &timeout_ms.to_string(),
+        ])
         .output()
         .map_err(io_err("run swy-echo client"))?;
     Ok(parse(&String::from_utf8_lossy(&out.stdout)))
@@ -102,7 +130,10 @@ fn parse(text: &str) -> Vec<Outcome> {
         .map(|l| {
             let mut parts = l.splitn(3, ' ');
             match (parts.next(), parts.next(), parts.next()) {
-                (Some("ok"), Some(server), Some(peer)) => Outcome::Answered { server: server.into(), peer: peer.into() },
+                (Some("ok"), Some(server), Some(peer)) => Outcome::Answered {
+                    server: server.into(),
+                    peer: peer.into(),
+                },
                 (Some("refused"), _, _) => Outcome::Refused,
                 (Some("timeout"), _, _) => Outcome::Timeout,
                 _ => Outcome::Error(l.to_owned()),
@@ -133,7 +164,14 @@ pub fn start_load(netns: &str, target: SocketAddr, count: u32, interval_ms: u64)
         .args(["netns", "exec", netns])
         .arg(bin)
         .args(["client", "--target", &target.to_string(), "--proto", "tcp"])
-        .args(["--count", &count.to_string(), "--timeout-ms", "1000", "--interval-ms", &interval_ms.to_string()])
+        .args([
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            "1000",
+            "--interval-ms",
+            &interval_ms.to_string(),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -144,8 +182,14 @@ pub fn start_load(netns: &str, target: SocketAddr, count: u32, interval_ms: u64)
 impl Load {
     /// Stops the load now and returns the outcomes so far.
     pub fn stop(mut self) -> Result<Vec<Outcome>> {
-        let mut child = self.child.take().ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
         let mut text = String::new();
         if let Some(mut out) = child.stdout.take() {
             use std::io::Read;
@@ -153,12 +197,18 @@ impl Load {
         }
         let _ = child.wait();
         // The last line may be cut by the signal; keep only complete answers and failures.
-        Ok(parse(&text).into_iter().filter(|o| !matches!(o, Outcome::Error(_))).collect())
+        Ok(parse(&text)
+            .into_iter()
+            .filter(|o| !matches!(o, Outcome::Error(_)))
+            .collect())
     }
 
     /// Waits for the load to finish and returns every outcome.
     pub fn finish(mut self) -> Result<Vec<Outcome>> {
-        let child = self.child.take().ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
+        let child = self
+            .child
+            .take()
+            .ok_or_else(|| Error::Prerequisite("load already finished".into()))?;
         let out = child.wait_with_output().map_err(io_err("wait for load"))?;
         Ok(parse(&String::from_utf8_lossy(&out.stdout)))
     }
@@ -182,6 +232,10 @@ pub fn http_get(netns: &str, target: SocketAddr, path: &str) -> Result<(u16, Str
         .output()
         .map_err(io_err("run swy-echo http"))?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let code = text.lines().next().and_then(|l| l.trim().parse().ok()).unwrap_or(0);
+    let code = text
+        .lines()
+        .next()
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap_or(0);
     Ok((code, text))
 }

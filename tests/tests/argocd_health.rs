@@ -145,7 +145,9 @@ fn agent_status(active: &str, last: Option<Value>) -> Value {
 }
 
 async fn write_status(proxies: &Api<NodeProxy>, node: &str, status: Value) {
-    switchyard_e2e::agent::write_agent_status(&proxies.clone().into_client(), node, status).await.expect("agent status");
+    switchyard_e2e::agent::write_agent_status(&proxies.clone().into_client(), node, status)
+        .await
+        .expect("agent status");
 }
 
 async fn register(client: &Client, node: &str) {
@@ -157,7 +159,9 @@ async fn register(client: &Client, node: &str) {
         .metadata
         .uid
         .expect("uid");
-    switchyard_e2e::agent::register_node_proxy(client, node, &uid).await.expect("create NodeProxy");
+    switchyard_e2e::agent::register_node_proxy(client, node, &uid)
+        .await
+        .expect("create NodeProxy");
     write_status(&proxies, node, agent_status("iptables", None)).await;
 }
 

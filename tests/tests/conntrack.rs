@@ -29,7 +29,9 @@ fn udp_socket_in(netns: &str, port: u16) -> UdpSocket {
         let target = File::open(&path).expect("netns file");
         setns(target.as_fd(), CloneFlags::CLONE_NEWNET).expect("setns");
         let socket = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
-        socket.set_read_timeout(Some(Duration::from_millis(300))).expect("timeout");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
         socket
     })
     .join()
@@ -41,18 +43,29 @@ fn ask(socket: &UdpSocket, target: SocketAddr) -> Option<String> {
     socket.send_to(b"?", target).ok()?;
     let mut buf = [0u8; 256];
     let (n, _) = socket.recv_from(&mut buf).ok()?;
-    String::from_utf8_lossy(&buf[..n]).split_whitespace().next().map(str::to_owned)
+    String::from_utf8_lossy(&buf[..n])
+        .split_whitespace()
+        .next()
+        .map(str::to_owned)
 }
 
 async fn scenario(mode: &str) {
-    let mut env = TestEnv::start(2, 2).await.expect("control plane and 2 namespace nodes");
+    let mut env = TestEnv::start(2, 2)
+        .await
+        .expect("control plane and 2 namespace nodes");
     let admin = env.cp.admin_client().await.expect("admin");
     let nodes = env.cluster.nodes.clone();
-    let servers: Vec<_> = nodes.iter().map(|n| start_server(&n.pods[0], &[], &[5353]).expect("echo server")).collect();
+    let servers: Vec<_> = nodes
+        .iter()
+        .map(|n| start_server(&n.pods[0], &[], &[5353]).expect("echo server"))
+        .collect();
     apply_service(&admin, "dns", json!({"clusterIP": DNS, "ports": [{"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]}), None)
         .await
         .expect("dns");
-    let eps = [Ep::ready(nodes[0].pods[0].ip, &nodes[0].name), Ep::ready(nodes[1].pods[0].ip, &nodes[1].name)];
+    let eps = [
+        Ep::ready(nodes[0].pods[0].ip, &nodes[0].name),
+        Ep::ready(nodes[1].pods[0].ip, &nodes[1].name),
+    ];
     let ports = [("dns", 5353, "UDP")];
     apply_slice(&admin, "dns", &ports, &eps).await.expect("dns slice");
     // Before the agent: another component's conntrack rule makes the node track connections (as a
@@ -66,12 +79,29 @@ async fn scenario(mode: &str) {
     let socket = udp_socket_in(&nodes[0].pods[1].netns, 40053);
     let target: SocketAddr = format!("{DNS}:53").parse().expect("addr");
     for _ in 0..3 {
-        assert_eq!(ask(&socket, target), None, "{mode}: nothing serves the ClusterIP yet");
+        assert_eq!(
+            ask(&socket, target),
+            None,
+            "{mode}: nothing serves the ClusterIP yet"
+        );
     }
-    let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"]).unwrap_or_default();
-    assert!(entries.contains(&format!("dst={DNS} sport=40053 dport=53")), "{mode}: the early flow is tracked:\n{entries}");
+    let entries =
+        switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"]).unwrap_or_default();
+    assert!(
+        entries.contains(&format!("dst={DNS} sport=40053 dport=53")),
+        "{mode}: the early flow is tracked:\n{entries}"
+    );
 
-    env.start_agents(&["--mode", mode, "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.1"]).await.expect("agents");
+    env.start_agents(&[
+        "--mode",
+        mode,
+        "--cluster-cidr",
+        "10.244.0.0/16",
+        "--min-sync-period",
+        "0.1",
+    ])
+    .await
+    .expect("agents");
 
     // The same socket keeps sending: the first sync deleted its un-DNATed entry, so it is answered,
     // and from then on it sticks to the endpoint that answered first.
@@ -81,19 +111,36 @@ async fn scenario(mode: &str) {
             break name;
         }
         if started.elapsed() > Duration::from_secs(30) {
-            let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"]).unwrap_or_default();
-            let log = env.agents.iter().find(|a| a.node == nodes[0].name).map(|a| a.log_text()).unwrap_or_default();
+            let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"])
+                .unwrap_or_default();
+            let log = env
+                .agents
+                .iter()
+                .find(|a| a.node == nodes[0].name)
+                .map(|a| a.log_text())
+                .unwrap_or_default();
             panic!("{mode}: the early flow was never answered; conntrack:\n{entries}\nagent log:\n{log}");
         }
     };
-    println!("{mode}: the flow that started before the agent was answered {:?} after the agent started", started.elapsed());
+    println!(
+        "{mode}: the flow that started before the agent was answered {:?} after the agent started",
+        started.elapsed()
+    );
     for _ in 0..10 {
-        assert_eq!(ask(&socket, target).as_deref(), Some(first.as_str()), "{mode}: one socket, one endpoint");
+        assert_eq!(
+            ask(&socket, target).as_deref(),
+            Some(first.as_str()),
+            "{mode}: one socket, one endpoint"
+        );
     }
 
     // Remove the endpoint that answered; keep sending from the same socket.
     let (gone, kept): (Vec<Ep>, Vec<Ep>) = eps.iter().cloned().partition(|e| first.starts_with(&e.node));
-    assert_eq!((gone.len(), kept.len()), (1, 1), "{mode}: {first} is one of the endpoints");
+    assert_eq!(
+        (gone.len(), kept.len()),
+        (1, 1),
+        "{mode}: {first} is one of the endpoints"
+    );
     apply_slice(&admin, "dns", &ports, &kept).await.expect("shrink");
     let removed_at = Instant::now();
     let mut answers = Vec::new();
@@ -109,13 +156,26 @@ async fn scenario(mode: &str) {
         std::thread::sleep(Duration::from_millis(100));
     };
     let moved = moved.unwrap_or_else(|| {
-        let kept = answers.iter().filter(|a| a.as_deref() == Some(first.as_str())).count();
-        panic!("{mode}: the flow stayed on the removed endpoint {first}: {kept} of {} answers in 15 s", answers.len())
+        let kept = answers
+            .iter()
+            .filter(|a| a.as_deref() == Some(first.as_str()))
+            .count();
+        panic!(
+            "{mode}: the flow stayed on the removed endpoint {first}: {kept} of {} answers in 15 s",
+            answers.len()
+        )
     });
-    println!("{mode}: UDP flow moved from {first} to {moved} {:?} after the endpoint left", removed_at.elapsed());
+    println!(
+        "{mode}: UDP flow moved from {first} to {moved} {:?} after the endpoint left",
+        removed_at.elapsed()
+    );
     // It stays there: the old entry is gone, not just bypassed once.
     for _ in 0..10 {
-        assert_eq!(ask(&socket, target).as_deref(), Some(moved.as_str()), "{mode}: the flow went back");
+        assert_eq!(
+            ask(&socket, target).as_deref(),
+            Some(moved.as_str()),
+            "{mode}: the flow went back"
+        );
     }
     drop(servers);
 }

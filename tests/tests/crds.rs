@@ -29,7 +29,8 @@ fn variant(name: &str, from: &str, to: &str) -> String {
 
 /// (policy name, mistake: replace this, with this, exact message kubectl prints)
 fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
-    let waves = "  rollout:\n    waves:\n    - name: canary\n      nodes: 1\n    - name: rest\n      nodes: 100%\n";
+    let waves =
+        "  rollout:\n    waves:\n    - name: canary\n      nodes: 1\n    - name: rest\n      nodes: 100%\n";
     vec![
         (
             "unknown-mode",
@@ -53,12 +54,20 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "max-unavailable-zero",
-            variant("max-unavailable-zero", "  rollout:\n", "  rollout:\n    maxUnavailable: 0\n"),
+            variant(
+                "max-unavailable-zero",
+                "  rollout:\n",
+                "  rollout:\n    maxUnavailable: 0\n",
+            ),
             r#"spec.rollout.maxUnavailable: Invalid value: 0: rollout.maxUnavailable must be a count of at least 1 or a percentage from 1% to 100%"#,
         ),
         (
             "max-unavailable-bad-percent",
-            variant("max-unavailable-bad-percent", "  rollout:\n", "  rollout:\n    maxUnavailable: \"ten%\"\n"),
+            variant(
+                "max-unavailable-bad-percent",
+                "  rollout:\n",
+                "  rollout:\n    maxUnavailable: \"ten%\"\n",
+            ),
             r#"spec.rollout.maxUnavailable: Invalid value: "ten%": rollout.maxUnavailable must be a count of at least 1 or a percentage from 1% to 100%"#,
         ),
         (
@@ -101,17 +110,29 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "fallback-equals-mode",
-            variant("fallback-equals-mode", "mode: nftables", "mode: nftables\n  fallback: nftables"),
+            variant(
+                "fallback-equals-mode",
+                "mode: nftables",
+                "mode: nftables\n  fallback: nftables",
+            ),
             r#"spec: Invalid value: spec.fallback must differ from spec.mode (use 'skip' to leave incompatible nodes alone)"#,
         ),
         (
             "unknown-fallback",
-            variant("unknown-fallback", "mode: nftables", "mode: nftables\n  fallback: userspace"),
+            variant(
+                "unknown-fallback",
+                "mode: nftables",
+                "mode: nftables\n  fallback: userspace",
+            ),
             r#"spec.fallback: Unsupported value: "userspace": supported values: "skip", "iptables", "ipvs", "nftables""#,
         ),
         (
             "localhost-nodeports-nftables",
-            variant("localhost-nodeports-nftables", waves, &format!("{waves}  proxy:\n    localhostNodePorts: true\n")),
+            variant(
+                "localhost-nodeports-nftables",
+                waves,
+                &format!("{waves}  proxy:\n    localhostNodePorts: true\n"),
+            ),
             r#"spec: Invalid value: proxy.localhostNodePorts is not supported in nftables mode"#,
         ),
         (
@@ -125,32 +146,56 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "bad-cluster-cidr",
-            variant("bad-cluster-cidr", waves, &format!("{waves}  proxy:\n    clusterCIDR: 10.244.0.0/33\n")),
+            variant(
+                "bad-cluster-cidr",
+                waves,
+                &format!("{waves}  proxy:\n    clusterCIDR: 10.244.0.0/33\n"),
+            ),
             r#"spec.proxy.clusterCIDR: Invalid value: "10.244.0.0/33": proxy.clusterCIDR must be a CIDR, or an IPv4 and an IPv6 CIDR separated by a comma, such as 10.244.0.0/16,fd00:10:244::/56"#,
         ),
         (
             "two-ipv4-cluster-cidrs",
-            variant("two-ipv4-cluster-cidrs", waves, &format!("{waves}  proxy:\n    clusterCIDR: 10.244.0.0/16,10.245.0.0/16\n")),
+            variant(
+                "two-ipv4-cluster-cidrs",
+                waves,
+                &format!("{waves}  proxy:\n    clusterCIDR: 10.244.0.0/16,10.245.0.0/16\n"),
+            ),
             r#"spec.proxy.clusterCIDR: Invalid value: "10.244.0.0/16,10.245.0.0/16": proxy.clusterCIDR must be a CIDR, or an IPv4 and an IPv6 CIDR separated by a comma, such as 10.244.0.0/16,fd00:10:244::/56"#,
         ),
         (
             "bad-nodeport-address",
-            variant("bad-nodeport-address", waves, &format!("{waves}  proxy:\n    nodePortAddresses: [secondary]\n")),
+            variant(
+                "bad-nodeport-address",
+                waves,
+                &format!("{waves}  proxy:\n    nodePortAddresses: [secondary]\n"),
+            ),
             r#"spec.proxy.nodePortAddresses: Invalid value: proxy.nodePortAddresses entries must be CIDRs or 'primary'"#,
         ),
         (
             "unknown-ipvs-scheduler",
-            variant("unknown-ipvs-scheduler", waves, &format!("{waves}  proxy:\n    ipvs:\n      scheduler: fastest\n")),
+            variant(
+                "unknown-ipvs-scheduler",
+                waves,
+                &format!("{waves}  proxy:\n    ipvs:\n      scheduler: fastest\n"),
+            ),
             r#"spec.proxy.ipvs.scheduler: Unsupported value: "fastest": supported values: "rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh""#,
         ),
         (
             "bad-window-time",
-            variant("bad-window-time", waves, &format!("{waves}    window:\n      start: \"25:00\"\n      end: \"06:00\"\n")),
+            variant(
+                "bad-window-time",
+                waves,
+                &format!("{waves}    window:\n      start: \"25:00\"\n      end: \"06:00\"\n"),
+            ),
             r#"spec.rollout.window.start: Invalid value: "25:00": spec.rollout.window.start in body should match '^([01][0-9]|2[0-3]):[0-5][0-9]$'"#,
         ),
         (
             "empty-window",
-            variant("empty-window", waves, &format!("{waves}    window:\n      start: \"06:00\"\n      end: \"06:00\"\n")),
+            variant(
+                "empty-window",
+                waves,
+                &format!("{waves}    window:\n      start: \"06:00\"\n      end: \"06:00\"\n"),
+            ),
             r#"spec.rollout.window: Invalid value: window.start and window.end must differ"#,
         ),
         (
@@ -167,13 +212,19 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
             variant(
                 "probe-name-and-selector",
                 waves,
-                &format!("{waves}  healthGate:\n    probes:\n    - namespace: default\n      name: web\n      selector: {{matchLabels: {{app: web}}}}\n"),
+                &format!(
+                    "{waves}  healthGate:\n    probes:\n    - namespace: default\n      name: web\n      selector: {{matchLabels: {{app: web}}}}\n"
+                ),
             ),
             r#"spec.healthGate.probes[0]: Invalid value: a probe target sets exactly one of name and selector"#,
         ),
         (
             "bad-failure-policy",
-            variant("bad-failure-policy", waves, &format!("{waves}    failurePolicy: retry\n")),
+            variant(
+                "bad-failure-policy",
+                waves,
+                &format!("{waves}    failurePolicy: retry\n"),
+            ),
             r#"spec.rollout.failurePolicy: Unsupported value: "retry": supported values: "pause", "rollback""#,
         ),
     ]
@@ -186,9 +237,11 @@ async fn crds_install_validate_print_and_explain() {
 
     // A valid sample is accepted, and the defaults are filled in by the apiserver.
     let sample = workspace_root().join("config/samples/canary-iptables-to-nftables.yaml");
-    cp.kubectl_ok(&["apply", "-f", &sample.display().to_string()], None).expect("sample policy is accepted");
+    cp.kubectl_ok(&["apply", "-f", &sample.display().to_string()], None)
+        .expect("sample policy is accepted");
     let base = BASE.replace("NAME", "minimal");
-    cp.kubectl_ok(&["apply", "-f", "-"], Some(&base)).expect("minimal policy is accepted");
+    cp.kubectl_ok(&["apply", "-f", "-"], Some(&base))
+        .expect("minimal policy is accepted");
     let defaults = cp
         .kubectl_ok(&["get", "proxypolicy", "minimal", "-o", "jsonpath={.spec.rollout.maxUnavailable} {.spec.rollout.failurePolicy} {.spec.healthGate.timeoutSeconds}"], None)
         .expect("get minimal");
@@ -199,29 +252,60 @@ async fn crds_install_validate_print_and_explain() {
     assert!(cases.len() >= 15);
     let mut mismatches = Vec::new();
     for (name, yaml, message) in &cases {
-        let (ok, _, stderr) = cp.kubectl(&["apply", "-f", "-"], Some(yaml)).expect("kubectl runs");
+        let (ok, _, stderr) = cp
+            .kubectl(&["apply", "-f", "-"], Some(yaml))
+            .expect("kubectl runs");
         assert!(!ok, "{name}: an invalid policy was accepted:\n{yaml}");
         let want = format!(r#"The ProxyPolicy "{name}" is invalid: "#);
         if !(stderr.contains(&want) && stderr.contains(message)) {
             mismatches.push(format!("{name}:\n  want: {message}\n  got:  {}", stderr.trim()));
         }
-        let (exists, _, _) = cp.kubectl(&["get", "proxypolicy", name], None).expect("kubectl runs");
+        let (exists, _, _) = cp
+            .kubectl(&["get", "proxypolicy", name], None)
+            .expect("kubectl runs");
         assert!(!exists, "{name} was stored");
     }
-    assert!(mismatches.is_empty(), "messages differ:\n{}", mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "messages differ:\n{}",
+        mismatches.join("\n")
+    );
 
     // Printer columns.
-    let table = cp.kubectl_ok(&["get", "proxypolicies"], None).expect("get proxypolicies");
-    let header: Vec<&str> = table.lines().next().unwrap_or_default().split_whitespace().collect();
-    assert_eq!(header, ["NAME", "MODE", "NODES", "UPDATED", "HEALTHY", "WAVE", "STATUS", "AGE"]);
-    assert!(table.lines().any(|l| l.starts_with("general-to-nftables") && l.contains("nftables")), "{table}");
-    let short = cp.kubectl_ok(&["get", "pp", "-o", "name"], None).expect("short name pp");
+    let table = cp
+        .kubectl_ok(&["get", "proxypolicies"], None)
+        .expect("get proxypolicies");
+    let header: Vec<&str> = table
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        header,
+        [
+            "NAME", "MODE", "NODES", "UPDATED", "HEALTHY", "WAVE", "STATUS", "AGE"
+        ]
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("general-to-nftables") && l.contains("nftables")),
+        "{table}"
+    );
+    let short = cp
+        .kubectl_ok(&["get", "pp", "-o", "name"], None)
+        .expect("short name pp");
     assert!(short.contains("proxypolicy.switchyard.dev/minimal"), "{short}");
-    let wide = cp.kubectl_ok(&["get", "nodeproxies", "-o", "wide"], Some("")).expect("get nodeproxies");
+    let wide = cp
+        .kubectl_ok(&["get", "nodeproxies", "-o", "wide"], Some(""))
+        .expect("get nodeproxies");
     let _ = wide; // no NodeProxy yet: kubectl prints "No resources found" on stderr; columns are checked in agents.rs
 
     // kubectl explain shows the field docs.
-    let explain = cp.kubectl_ok(&["explain", "proxypolicy.spec.rollout"], None).expect("explain");
+    let explain = cp
+        .kubectl_ok(&["explain", "proxypolicy.spec.rollout"], None)
+        .expect("explain");
     for needle in [
         "How the change reaches the pool: waves, pacing, pause, window and failure",
         "maxUnavailable",
@@ -231,6 +315,14 @@ async fn crds_install_validate_print_and_explain() {
     ] {
         assert!(explain.contains(needle), "explain lacks {needle:?}:\n{explain}");
     }
-    let explain_wave = cp.kubectl_ok(&["explain", "proxypolicy.spec.rollout.waves.requireApproval"], None).expect("explain");
-    assert!(explain_wave.contains("kubectl annotate proxypolicy NAME approve.switchyard.dev/WAVE=GENERATION"), "{explain_wave}");
+    let explain_wave = cp
+        .kubectl_ok(
+            &["explain", "proxypolicy.spec.rollout.waves.requireApproval"],
+            None,
+        )
+        .expect("explain");
+    assert!(
+        explain_wave.contains("kubectl annotate proxypolicy NAME approve.switchyard.dev/WAVE=GENERATION"),
+        "{explain_wave}"
+    );
 }

@@ -91,8 +91,24 @@ struct Addrs {
 
 fn addrs(family: Family) -> Addrs {
     match family {
-        Family::V4 => Addrs { web: WEB, sticky: STICKY, empty: EMPTY, terminating: TERMINATING, itp: ITP, external_ip: EXTERNAL_IP, lb_ip: LB_IP },
-        Family::V6 => Addrs { web: WEB6, sticky: STICKY6, empty: EMPTY6, terminating: TERMINATING6, itp: ITP6, external_ip: EXTERNAL_IP6, lb_ip: LB_IP6 },
+        Family::V4 => Addrs {
+            web: WEB,
+            sticky: STICKY,
+            empty: EMPTY,
+            terminating: TERMINATING,
+            itp: ITP,
+            external_ip: EXTERNAL_IP,
+            lb_ip: LB_IP,
+        },
+        Family::V6 => Addrs {
+            web: WEB6,
+            sticky: STICKY6,
+            empty: EMPTY6,
+            terminating: TERMINATING6,
+            itp: ITP6,
+            external_ip: EXTERNAL_IP6,
+            lb_ip: LB_IP6,
+        },
     }
 }
 
@@ -123,13 +139,28 @@ fn per_stack(stack: Stack, v4: &str, v6: &str) -> Value {
 
 /// Applies `service`'s EndpointSlice of every family of the run, with `pods` (and the nodes they
 /// run on) as endpoints, ready or terminating.
-async fn slices(admin: &kube::Client, stack: Stack, service: &str, ports: &[(&str, u16, &str)], pods: &[(&Pod, &Node)], terminating: bool) {
+async fn slices(
+    admin: &kube::Client,
+    stack: Stack,
+    service: &str,
+    ports: &[(&str, u16, &str)],
+    pods: &[(&Pod, &Node)],
+    terminating: bool,
+) {
     for &family in stack.families() {
         let eps: Vec<Ep> = pods
             .iter()
-            .map(|(p, n)| if terminating { Ep::terminating(p.ip_of(family), &n.name) } else { Ep::ready(p.ip_of(family), &n.name) })
+            .map(|(p, n)| {
+                if terminating {
+                    Ep::terminating(p.ip_of(family), &n.name)
+                } else {
+                    Ep::ready(p.ip_of(family), &n.name)
+                }
+            })
             .collect();
-        apply_slice_family(admin, service, family, ports, &eps).await.unwrap_or_else(|e| panic!("{service} {family:?} slice: {e}"));
+        apply_slice_family(admin, service, family, ports, &eps)
+            .await
+            .unwrap_or_else(|e| panic!("{service} {family:?} slice: {e}"));
     }
 }
 
@@ -167,7 +198,11 @@ fn kernel_state(netns: &str, mode: &str, stack: Stack) -> String {
     let args: Vec<&str> = match (mode, stack) {
         ("nftables", _) => vec!["nft", "list", "ruleset"],
         (_, Stack::V4) => vec!["sh", "-c", "iptables-legacy-save; iptables-nft-save"],
-        (_, Stack::Dual) => vec!["sh", "-c", "iptables-legacy-save; iptables-nft-save; ip6tables-legacy-save; ip6tables-nft-save"],
+        (_, Stack::Dual) => vec![
+            "sh",
+            "-c",
+            "iptables-legacy-save; iptables-nft-save; ip6tables-legacy-save; ip6tables-nft-save",
+        ],
     };
     Cluster::exec(netns, &args).unwrap_or_default()
 }
@@ -190,7 +225,9 @@ async fn scenario(mode: &str, stack: Stack) {
         Stack::Dual => format!("{mode} dual-stack"),
     };
     let families = stack.families();
-    let mut env = TestEnv::start(3, 2).await.expect("control plane and 3 namespace nodes");
+    let mut env = TestEnv::start(3, 2)
+        .await
+        .expect("control plane and 3 namespace nodes");
     let admin = env.cp.admin_client().await.expect("admin");
     let nodes = env.cluster.nodes.clone();
     let (n1, n2, n3) = (&nodes[0], &nodes[1], &nodes[2]);
@@ -200,54 +237,181 @@ async fn scenario(mode: &str, stack: Stack) {
     }
     // The topology itself carries every family of the run, pod to pod, before any agent runs.
     for &f in families {
-        let o = probe(&n1.pods[1].netns, SocketAddr::new(n2.pods[0].ip_of(f), 8080), false, 2, 1000).expect("probe");
-        assert!(o.iter().all(|x| x.peer_ip() == Some(n1.pods[1].ip_of(f))), "{run} {f:?}: pod to pod without Services: {o:?}");
+        let o = probe(
+            &n1.pods[1].netns,
+            SocketAddr::new(n2.pods[0].ip_of(f), 8080),
+            false,
+            2,
+            1000,
+        )
+        .expect("probe");
+        assert!(
+            o.iter().all(|x| x.peer_ip() == Some(n1.pods[1].ip_of(f))),
+            "{run} {f:?}: pod to pod without Services: {o:?}"
+        );
     }
     // The fabric plays an external router: external and LB IPs are routed to node-1.
     for &f in families {
         let a = addrs(f);
         for ip in [a.external_ip, a.lb_ip] {
             let (flag, len) = if f == Family::V4 { ("-4", 32) } else { ("-6", 128) };
-            Cluster::exec(&env.cluster.fabric, &["ip", flag, "route", "add", &format!("{ip}/{len}"), "via", &n1.ip_of(f).to_string()])
-                .expect("route");
+            Cluster::exec(
+                &env.cluster.fabric,
+                &[
+                    "ip",
+                    flag,
+                    "route",
+                    "add",
+                    &format!("{ip}/{len}"),
+                    "via",
+                    &n1.ip_of(f).to_string(),
+                ],
+            )
+            .expect("route");
         }
     }
     let all = [(&n1.pods[0], n1), (&n2.pods[0], n2), (&n3.pods[0], n3)];
     let web_ports = [("http", 8080, "TCP"), ("dns", 5353, "UDP")];
     let http = [("http", 8080, "TCP")];
-    apply_service(&admin, "web", with_cluster_ips(stack, WEB, WEB6, json!({"ports": [
+    apply_service(
+        &admin,
+        "web",
+        with_cluster_ips(
+            stack,
+            WEB,
+            WEB6,
+            json!({"ports": [
         {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"},
-        {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]})), None).await.expect("web");
+        {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]}),
+        ),
+        None,
+    )
+    .await
+    .expect("web");
     slices(&admin, stack, "web", &web_ports, &all, false).await;
-    apply_service(&admin, "sticky", with_cluster_ips(stack, STICKY, STICKY6, json!({"sessionAffinity": "ClientIP",
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("sticky");
+    apply_service(
+        &admin,
+        "sticky",
+        with_cluster_ips(
+            stack,
+            STICKY,
+            STICKY6,
+            json!({"sessionAffinity": "ClientIP",
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+        ),
+        None,
+    )
+    .await
+    .expect("sticky");
     slices(&admin, stack, "sticky", &http, &all, false).await;
-    apply_service(&admin, "np", with_cluster_ips(stack, NODEPORT_SVC, NODEPORT_SVC6, json!({"type": "NodePort",
+    apply_service(
+        &admin,
+        "np",
+        with_cluster_ips(
+            stack,
+            NODEPORT_SVC,
+            NODEPORT_SVC6,
+            json!({"type": "NodePort",
         "externalIPs": per_stack(stack, EXTERNAL_IP, EXTERNAL_IP6),
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]})), None).await.expect("np");
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]}),
+        ),
+        None,
+    )
+    .await
+    .expect("np");
     slices(&admin, stack, "np", &http, &[(&n2.pods[0], n2)], false).await;
     let ingress: Vec<Value> = families.iter().map(|&f| json!({"ip": addrs(f).lb_ip})).collect();
-    apply_service(&admin, "local", with_cluster_ips(stack, LOCAL_SVC, LOCAL_SVC6, json!({"type": "LoadBalancer",
+    apply_service(
+        &admin,
+        "local",
+        with_cluster_ips(
+            stack,
+            LOCAL_SVC,
+            LOCAL_SVC6,
+            json!({"type": "LoadBalancer",
         "externalTrafficPolicy": "Local", "healthCheckNodePort": 30999,
         "loadBalancerSourceRanges": per_stack(stack, netns::FABRIC_CIDR, netns::FABRIC_CIDR6),
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30081}]})),
-        Some(json!({"loadBalancer": {"ingress": ingress}}))).await.expect("local");
-    slices(&admin, stack, "local", &http, &[(&n1.pods[0], n1), (&n2.pods[0], n2)], false).await;
-    apply_service(&admin, "empty", with_cluster_ips(stack, EMPTY, EMPTY6, json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("empty");
-    apply_service(&admin, "term", with_cluster_ips(stack, TERMINATING, TERMINATING6, json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("term");
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30081}]}),
+        ),
+        Some(json!({"loadBalancer": {"ingress": ingress}})),
+    )
+    .await
+    .expect("local");
+    slices(
+        &admin,
+        stack,
+        "local",
+        &http,
+        &[(&n1.pods[0], n1), (&n2.pods[0], n2)],
+        false,
+    )
+    .await;
+    apply_service(
+        &admin,
+        "empty",
+        with_cluster_ips(
+            stack,
+            EMPTY,
+            EMPTY6,
+            json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+        ),
+        None,
+    )
+    .await
+    .expect("empty");
+    apply_service(
+        &admin,
+        "term",
+        with_cluster_ips(
+            stack,
+            TERMINATING,
+            TERMINATING6,
+            json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+        ),
+        None,
+    )
+    .await
+    .expect("term");
     slices(&admin, stack, "term", &http, &[(&n3.pods[0], n3)], true).await;
-    apply_service(&admin, "itp", with_cluster_ips(stack, ITP, ITP6, json!({"internalTrafficPolicy": "Local",
-        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]})), None).await.expect("itp");
+    apply_service(
+        &admin,
+        "itp",
+        with_cluster_ips(
+            stack,
+            ITP,
+            ITP6,
+            json!({"internalTrafficPolicy": "Local",
+        "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+        ),
+        None,
+    )
+    .await
+    .expect("itp");
     slices(&admin, stack, "itp", &http, &[(&n2.pods[0], n2)], false).await;
     if stack == Stack::Dual {
         // An IPv6-only Service in the dual-stack cluster: one IPv6 slice, no IPv4 ClusterIP.
-        let svc = apply_service(&admin, "web6only", json!({"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"],
-            "clusterIP": V6_ONLY, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await.expect("web6only");
-        assert_eq!(svc.spec.and_then(|s| s.cluster_ips), Some(vec![V6_ONLY.to_owned()]));
+        let svc = apply_service(
+            &admin,
+            "web6only",
+            json!({"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"],
+            "clusterIP": V6_ONLY, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+            None,
+        )
+        .await
+        .expect("web6only");
+        assert_eq!(
+            svc.spec.and_then(|s| s.cluster_ips),
+            Some(vec![V6_ONLY.to_owned()])
+        );
         let eps: Vec<Ep> = all.iter().map(|(p, n)| Ep::ready(p.ip6, &n.name)).collect();
-        apply_slice_family(&admin, "web6only", Family::V6, &http, &eps).await.expect("web6only slice");
+        apply_slice_family(&admin, "web6only", Family::V6, &http, &eps)
+            .await
+            .expect("web6only slice");
         // The apiserver took the dual-stack Services as meant.
-        let web = kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(admin.clone(), "default").get("web").await.expect("web");
+        let web = kube::Api::<k8s_openapi::api::core::v1::Service>::namespaced(admin.clone(), "default")
+            .get("web")
+            .await
+            .expect("web");
         let spec = web.spec.expect("spec");
         assert_eq!(spec.cluster_ips, Some(vec![WEB.to_owned(), WEB6.to_owned()]));
         assert_eq!(spec.ip_families, Some(vec!["IPv4".to_owned(), "IPv6".to_owned()]));
@@ -255,17 +419,36 @@ async fn scenario(mode: &str, stack: Stack) {
 
     // kube-proxy ran on node-1 before: its nftables table and iptables chains are still there
     // (of both families in a dual-stack cluster).
-    Cluster::exec(&n1.netns, &["nft", "add table ip kube-proxy; add chain ip kube-proxy services"]).expect("kube-proxy nft leftovers");
+    Cluster::exec(
+        &n1.netns,
+        &["nft", "add table ip kube-proxy; add chain ip kube-proxy services"],
+    )
+    .expect("kube-proxy nft leftovers");
     Cluster::exec(&n1.netns, &["sh", "-c", "iptables-legacy -t nat -N KUBE-SERVICES && iptables-legacy -t nat -N KUBE-SVC-X && \
         iptables-legacy -t nat -A KUBE-SERVICES -j KUBE-SVC-X && iptables-legacy -t nat -A PREROUTING -j KUBE-SERVICES && \
         iptables-legacy -t filter -N KUBE-FIREWALL"]).expect("kube-proxy iptables leftovers");
     if stack == Stack::Dual {
-        Cluster::exec(&n1.netns, &["nft", "add table ip6 kube-proxy; add chain ip6 kube-proxy services"]).expect("kube-proxy nft ip6 leftovers");
+        Cluster::exec(
+            &n1.netns,
+            &[
+                "nft",
+                "add table ip6 kube-proxy; add chain ip6 kube-proxy services",
+            ],
+        )
+        .expect("kube-proxy nft ip6 leftovers");
         Cluster::exec(&n1.netns, &["sh", "-c", "ip6tables-legacy -t nat -N KUBE-SERVICES && ip6tables-legacy -t nat -N KUBE-SVC-X && \
             ip6tables-legacy -t nat -A KUBE-SERVICES -j KUBE-SVC-X && ip6tables-legacy -t nat -A PREROUTING -j KUBE-SERVICES && \
             ip6tables-legacy -t filter -N KUBE-KUBELET-CANARY"]).expect("kube-proxy ip6tables leftovers");
     }
-    let agent_args = ["--mode", mode, "--cluster-cidr", stack.cluster_cidr(), "--min-sync-period", "0.1", "--takeover-kube-proxy"];
+    let agent_args = [
+        "--mode",
+        mode,
+        "--cluster-cidr",
+        stack.cluster_cidr(),
+        "--min-sync-period",
+        "0.1",
+        "--takeover-kube-proxy",
+    ];
     env.start_agents(&agent_args).await.expect("agents");
     for node in &nodes {
         for &f in families {
@@ -276,11 +459,18 @@ async fn scenario(mode: &str, stack: Stack) {
                 if answered_all(&o) {
                     break;
                 }
-                let agent = env.agents.iter_mut().find(|a| a.node == node.name).expect("agent");
+                let agent = env
+                    .agents
+                    .iter_mut()
+                    .find(|a| a.node == node.name)
+                    .expect("agent");
                 let exited = agent.exit_status();
-                assert!(exited.is_none() && start.elapsed() < Duration::from_secs(60),
+                assert!(
+                    exited.is_none() && start.elapsed() < Duration::from_secs(60),
                     "{run}: {} never reached web over {f:?} ({target}): {o:?}; agent exited: {exited:?}\nagent log:\n{}",
-                    node.name, agent.log_text());
+                    node.name,
+                    agent.log_text()
+                );
             }
         }
     }
@@ -290,11 +480,22 @@ async fn scenario(mode: &str, stack: Stack) {
     for _ in 0..50 {
         let nft = Cluster::exec(&n1.netns, &["nft", "list", "tables"]).unwrap_or_default();
         let ipt = Cluster::exec(&n1.netns, &["iptables-legacy-save"]).unwrap_or_default();
-        let ip6t = if stack == Stack::Dual { Cluster::exec(&n1.netns, &["ip6tables-legacy-save"]).unwrap_or_default() } else { String::new() };
-        if !nft.contains("kube-proxy") && [&ipt, &ip6t].iter().all(|t| !t.contains("KUBE-SERVICES") && !t.contains("KUBE-SVC-X")) {
+        let ip6t = if stack == Stack::Dual {
+            Cluster::exec(&n1.netns, &["ip6tables-legacy-save"]).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        if !nft.contains("kube-proxy")
+            && [&ipt, &ip6t]
+                .iter()
+                .all(|t| !t.contains("KUBE-SERVICES") && !t.contains("KUBE-SVC-X"))
+        {
             assert!(ipt.contains(":KUBE-FIREWALL"), "{run}: kubelet's chain must stay");
             if stack == Stack::Dual {
-                assert!(ip6t.contains(":KUBE-KUBELET-CANARY"), "{run}: kubelet's IPv6 chain must stay");
+                assert!(
+                    ip6t.contains(":KUBE-KUBELET-CANARY"),
+                    "{run}: kubelet's IPv6 chain must stay"
+                );
             }
             taken = true;
             break;
@@ -305,10 +506,22 @@ async fn scenario(mode: &str, stack: Stack) {
 
     if stack == Stack::Dual {
         // Each family's rules are in that family's table, or ip6tables.
-        let (v4, v6) = (family_state(&n1.netns, mode, Family::V4), family_state(&n1.netns, mode, Family::V6));
-        assert!(v6.contains(WEB6) && v6.contains(STICKY6) && v6.contains(V6_ONLY), "{run}: IPv6 rules missing:\n{v6}");
-        assert!(v4.contains(WEB) && !v4.contains("fd00:10:96::") && !v4.contains("web6only"), "{run}: IPv4 rules:\n{v4}");
-        assert!(!v6.contains("10.96.0."), "{run}: IPv4 addresses in the IPv6 rules:\n{v6}");
+        let (v4, v6) = (
+            family_state(&n1.netns, mode, Family::V4),
+            family_state(&n1.netns, mode, Family::V6),
+        );
+        assert!(
+            v6.contains(WEB6) && v6.contains(STICKY6) && v6.contains(V6_ONLY),
+            "{run}: IPv6 rules missing:\n{v6}"
+        );
+        assert!(
+            v4.contains(WEB) && !v4.contains("fd00:10:96::") && !v4.contains("web6only"),
+            "{run}: IPv4 rules:\n{v4}"
+        );
+        assert!(
+            !v6.contains("10.96.0."),
+            "{run}: IPv4 addresses in the IPv6 rules:\n{v6}"
+        );
         if mode == "nftables" {
             assert!(v6.contains("table ip6 switchyard"), "{run}: {v6}");
         } else {
@@ -324,7 +537,10 @@ async fn scenario(mode: &str, stack: Stack) {
         let t = tally(&o);
         assert!(answered_all(&o), "{run}: {t:?}");
         assert_eq!(t.len(), 3, "{run}: {t:?}");
-        assert!(t.values().all(|n| (15..=45).contains(n)), "{run}: spread out of tolerance: {t:?}");
+        assert!(
+            t.values().all(|n| (15..=45).contains(n)),
+            "{run}: spread out of tolerance: {t:?}"
+        );
         println!("{run}: ClusterIP spread over 90 connections: {t:?}");
 
         // ClusterIP UDP.
@@ -334,13 +550,21 @@ async fn scenario(mode: &str, stack: Stack) {
 
         // Session affinity: one client stays on one endpoint.
         let o = probe(client, addr(a.sticky, 80), false, 20, 1000).expect("probe");
-        assert!(answered_all(&o) && tally(&o).len() == 1, "{run}: affinity {:?}", tally(&o));
+        assert!(
+            answered_all(&o) && tally(&o).len() == 1,
+            "{run}: affinity {:?}",
+            tally(&o)
+        );
 
         // NodePort from outside the cluster (the fabric), masqueraded to the remote endpoint.
         let fabric = env.cluster.fabric.clone();
         let o = probe(&fabric, SocketAddr::new(n1.ip_of(f), 30080), false, 10, 1000).expect("probe");
         assert!(answered_all(&o), "{run}: nodeport {o:?}");
-        assert!(o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str()) && x.peer_ip() == Some(n1.ip_of(f))), "{run}: nodeport {o:?}");
+        assert!(
+            o.iter()
+                .all(|x| x.server() == Some(n2.pods[0].name.as_str()) && x.peer_ip() == Some(n1.ip_of(f))),
+            "{run}: nodeport {o:?}"
+        );
         // externalIP.
         let o = probe(&fabric, addr(a.external_ip, 80), false, 5, 1000).expect("probe");
         assert!(answered_all(&o), "{run}: externalIP {o:?}");
@@ -348,15 +572,29 @@ async fn scenario(mode: &str, stack: Stack) {
         // externalTrafficPolicy=Local: node-1 answers with its local endpoint and sees the real
         // client address; node-3 has no local endpoint and drops.
         let o = probe(&fabric, SocketAddr::new(n1.ip_of(f), 30081), false, 10, 1000).expect("probe");
-        assert!(o.iter().all(|x| x.server() == Some(n1.pods[0].name.as_str()) && x.peer_ip() == Some(netns::fabric_ip(f))), "{run}: ETP=Local {o:?}");
+        assert!(
+            o.iter()
+                .all(|x| x.server() == Some(n1.pods[0].name.as_str())
+                    && x.peer_ip() == Some(netns::fabric_ip(f))),
+            "{run}: ETP=Local {o:?}"
+        );
         let o = probe(&fabric, SocketAddr::new(n3.ip_of(f), 30081), false, 3, 500).expect("probe");
-        assert!(o.iter().all(|x| *x == Outcome::Timeout), "{run}: ETP=Local without local endpoints must drop: {o:?}");
+        assert!(
+            o.iter().all(|x| *x == Outcome::Timeout),
+            "{run}: ETP=Local without local endpoints must drop: {o:?}"
+        );
 
         // LoadBalancer IP: the fabric is inside loadBalancerSourceRanges; a pod is not.
         let o = probe(&fabric, addr(a.lb_ip, 80), false, 5, 1000).expect("probe");
-        assert!(!o.is_empty() && o.iter().all(|x| x.peer_ip() == Some(netns::fabric_ip(f))), "{run}: LB {o:?}");
+        assert!(
+            !o.is_empty() && o.iter().all(|x| x.peer_ip() == Some(netns::fabric_ip(f))),
+            "{run}: LB {o:?}"
+        );
         let o = probe(&n2.pods[1].netns, addr(a.lb_ip, 80), false, 3, 500).expect("probe");
-        assert!(o.iter().all(|x| *x == Outcome::Timeout), "{run}: LB source range must drop a pod: {o:?}");
+        assert!(
+            o.iter().all(|x| *x == Outcome::Timeout),
+            "{run}: LB source range must drop a pod: {o:?}"
+        );
 
         // No endpoints: refused at once, not a timeout, in both families. (Over IPv6 an ICMPv6
         // port unreachable answering a pod's first SYN can arrive while connect() still holds the
@@ -364,68 +602,146 @@ async fn scenario(mode: &str, stack: Stack) {
         // second later; the agent answers TCP with a reset over IPv6, which is never dropped.)
         let started = std::time::Instant::now();
         let o = probe(client, addr(a.empty, 80), false, 3, 2000).expect("probe");
-        assert!(o.iter().all(|x| *x == Outcome::Refused), "{run}: no endpoints {o:?}");
-        assert!(started.elapsed() < Duration::from_secs(2), "{run}: refusal took {:?}", started.elapsed());
+        assert!(
+            o.iter().all(|x| *x == Outcome::Refused),
+            "{run}: no endpoints {o:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{run}: refusal took {:?}",
+            started.elapsed()
+        );
 
         // Terminating-endpoint fallback.
         let o = probe(client, addr(a.terminating, 80), false, 5, 1000).expect("probe");
-        assert!(o.iter().all(|x| x.server() == Some(n3.pods[0].name.as_str())), "{run}: fallback {o:?}");
+        assert!(
+            o.iter().all(|x| x.server() == Some(n3.pods[0].name.as_str())),
+            "{run}: fallback {o:?}"
+        );
 
         // internalTrafficPolicy=Local: only node-2 has the endpoint.
         let o = probe(&n2.pods[1].netns, addr(a.itp, 80), false, 5, 1000).expect("probe");
-        assert!(o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str())), "{run}: ITP local {o:?}");
+        assert!(
+            o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str())),
+            "{run}: ITP local {o:?}"
+        );
         let o = probe(client, addr(a.itp, 80), false, 3, 500).expect("probe");
-        assert!(o.iter().all(|x| *x == Outcome::Timeout), "{run}: ITP=Local without local endpoint must drop: {o:?}");
+        assert!(
+            o.iter().all(|x| *x == Outcome::Timeout),
+            "{run}: ITP=Local without local endpoint must drop: {o:?}"
+        );
 
         // The health-check node port of the ETP=Local LoadBalancer, on the node's address of this
         // family: 200 where a local endpoint exists.
         let (code, body) = http_get(&fabric, SocketAddr::new(n1.ip_of(f), 30999), "/").expect("hc");
         assert_eq!(code, 200, "{run}: {body}");
-        assert!(body.contains("\"localEndpoints\":1") && body.to_lowercase().contains("x-load-balancing-endpoint-weight: 1"), "{run}: {body}");
+        assert!(
+            body.contains("\"localEndpoints\":1")
+                && body
+                    .to_lowercase()
+                    .contains("x-load-balancing-endpoint-weight: 1"),
+            "{run}: {body}"
+        );
         let (code, _) = http_get(&fabric, SocketAddr::new(n3.ip_of(f), 30999), "/").expect("hc");
         assert_eq!(code, 503, "{run}: no local endpoint on node-3");
 
         // Hairpin: an endpoint reaching its own Service, and itself through it.
         let o = probe(&n1.pods[0].netns, addr(a.web, 80), false, 30, 1000).expect("probe");
         let t = tally(&o);
-        assert!(answered_all(&o) && t.contains_key(&n1.pods[0].name), "{run}: hairpin {t:?}");
+        assert!(
+            answered_all(&o) && t.contains_key(&n1.pods[0].name),
+            "{run}: hairpin {t:?}"
+        );
     }
 
     if stack == Stack::Dual {
         // The IPv6-only Service: spread over its 3 IPv6 endpoints.
         let o = probe(client, addr(V6_ONLY, 80), false, 90, 1000).expect("probe");
         let t = tally(&o);
-        assert!(answered_all(&o) && t.len() == 3 && t.values().all(|n| (15..=45).contains(n)), "{run}: IPv6-only Service {t:?}");
+        assert!(
+            answered_all(&o) && t.len() == 3 && t.values().all(|n| (15..=45).contains(n)),
+            "{run}: IPv6-only Service {t:?}"
+        );
         // A client inside the IPv6 cluster CIDR is not masqueraded.
-        assert!(o.iter().all(|x| x.peer_ip() == Some(n1.pods[1].ip6.into())), "{run}: IPv6-only Service source: {o:?}");
+        assert!(
+            o.iter().all(|x| x.peer_ip() == Some(n1.pods[1].ip6.into())),
+            "{run}: IPv6-only Service source: {o:?}"
+        );
     }
 
     // Health: /healthz and /livez with kube-proxy's semantics, /metrics with kube-proxy's names.
     let (code, body) = http_get(&n1.netns, addr("127.0.0.1", 10256), "/healthz").expect("healthz");
     assert_eq!(code, 200, "{run}: {body}");
-    assert!(body.contains("\"healthy\":true") && body.contains("\"nodeEligible\":true") && body.contains("application/json"), "{run}: {body}");
+    assert!(
+        body.contains("\"healthy\":true")
+            && body.contains("\"nodeEligible\":true")
+            && body.contains("application/json"),
+        "{run}: {body}"
+    );
     let (code, _) = http_get(&n1.netns, addr("127.0.0.1", 10256), "/livez").expect("livez");
     assert_eq!(code, 200);
     let (code, metrics) = http_get(&n1.netns, addr("127.0.0.1", 10249), "/metrics").expect("metrics");
     assert_eq!(code, 200);
-    for name in ["kubeproxy_sync_proxy_rules_duration_seconds_bucket", "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-                 "kubeproxy_sync_proxy_rules_service_changes_pending", "kubeproxy_sync_proxy_rules_no_local_endpoints",
-                 "kubeproxy_proxy_healthz_total", "switchyard_programmed_services"] {
+    for name in [
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_service_changes_pending",
+        "kubeproxy_sync_proxy_rules_no_local_endpoints",
+        "kubeproxy_proxy_healthz_total",
+        "switchyard_programmed_services",
+    ] {
         assert!(metrics.contains(name), "{run}: /metrics lacks {name}");
     }
 
     // --render prints the rules for the cluster state without touching the kernel.
     let bin = binaries::workspace_bin("switchyard-agent").expect("agent bin");
     let before = rules_only(&kernel_state(&n2.netns, mode, stack));
-    let rendered = Cluster::exec(&n2.netns, &[&bin.display().to_string(), "--render", "--node-name", "node-2", "--kubeconfig",
-        &env.agents.iter().find(|a| a.node == n2.name).expect("agent").kubeconfig.display().to_string(), "--mode", mode,
-        "--cluster-cidr", stack.cluster_cidr()]).expect("render");
-    assert!(rendered.contains(WEB) && rendered.contains(if mode == "nftables" { "table ip switchyard" } else { "*nat" }), "{run}: {rendered}");
+    let rendered = Cluster::exec(
+        &n2.netns,
+        &[
+            &bin.display().to_string(),
+            "--render",
+            "--node-name",
+            "node-2",
+            "--kubeconfig",
+            &env.agents
+                .iter()
+                .find(|a| a.node == n2.name)
+                .expect("agent")
+                .kubeconfig
+                .display()
+                .to_string(),
+            "--mode",
+            mode,
+            "--cluster-cidr",
+            stack.cluster_cidr(),
+        ],
+    )
+    .expect("render");
+    assert!(
+        rendered.contains(WEB)
+            && rendered.contains(if mode == "nftables" {
+                "table ip switchyard"
+            } else {
+                "*nat"
+            }),
+        "{run}: {rendered}"
+    );
     if stack == Stack::Dual {
-        assert!(rendered.contains(WEB6) && rendered.contains(V6_ONLY), "{run}: --render lacks the IPv6 rules: {rendered}");
-        assert!(mode != "nftables" || rendered.contains("table ip6 switchyard"), "{run}: {rendered}");
+        assert!(
+            rendered.contains(WEB6) && rendered.contains(V6_ONLY),
+            "{run}: --render lacks the IPv6 rules: {rendered}"
+        );
+        assert!(
+            mode != "nftables" || rendered.contains("table ip6 switchyard"),
+            "{run}: {rendered}"
+        );
     }
-    assert_eq!(rules_only(&kernel_state(&n2.netns, mode, stack)), before, "{run}: --render changed the kernel");
+    assert_eq!(
+        rules_only(&kernel_state(&n2.netns, mode, stack)),
+        before,
+        "{run}: --render changed the kernel"
+    );
 
     // Removing an endpoint stops traffic to it.
     slices(&admin, stack, "web", &web_ports, &all[..2], false).await;
@@ -453,46 +769,77 @@ async fn scenario(mode: &str, stack: Stack) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(gone, "{run}: deleted service still in the kernel:\n{}", kernel_state(&n1.netns, mode, stack));
+    assert!(
+        gone,
+        "{run}: deleted service still in the kernel:\n{}",
+        kernel_state(&n1.netns, mode, stack)
+    );
 
     // The agent stops: the data path keeps working; it restarts: still working, no flush.
     let idx = env.agents.iter().position(|a| a.node == n1.name).expect("agent");
     drop(env.agents.remove(idx));
     for &f in families {
         let o = probe(client, addr(addrs(f).web, 80), false, 20, 1000).expect("probe");
-        assert!(answered_all(&o), "{run} {f:?}: traffic while the agent is down: {o:?}");
+        assert!(
+            answered_all(&o),
+            "{run} {f:?}: traffic while the agent is down: {o:?}"
+        );
     }
-    let token = switchyard_e2e::agent::node_token(&env.cp, &n1.name).await.expect("token");
-    env.agents.push(Agent::start(&env.cp, n1, &token, &agent_args).expect("restart agent"));
+    let token = switchyard_e2e::agent::node_token(&env.cp, &n1.name)
+        .await
+        .expect("token");
+    env.agents
+        .push(Agent::start(&env.cp, n1, &token, &agent_args).expect("restart agent"));
     for &f in families {
         let o = probe(client, addr(addrs(f).web, 80), false, 40, 1000).expect("probe");
-        assert!(answered_all(&o), "{run} {f:?}: traffic across the agent restart: {o:?}");
+        assert!(
+            answered_all(&o),
+            "{run} {f:?}: traffic across the agent restart: {o:?}"
+        );
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     for &f in families {
         let o = probe(client, addr(addrs(f).web, 80), false, 20, 1000).expect("probe");
-        assert!(answered_all(&o), "{run} {f:?}: traffic after the agent restart: {o:?}");
+        assert!(
+            answered_all(&o),
+            "{run} {f:?}: traffic after the agent restart: {o:?}"
+        );
     }
 
     // A NodeProxy deleted under a running agent is registered again with its status.
     let proxies: kube::Api<switchyard_crds::v1alpha1::NodeProxy> = kube::Api::all(admin.clone());
-    proxies.delete(&n2.name, &Default::default()).await.expect("delete nodeproxy");
+    proxies
+        .delete(&n2.name, &Default::default())
+        .await
+        .expect("delete nodeproxy");
     let mut back = false;
     for _ in 0..100 {
-        if proxies.get_opt(&n2.name).await.ok().flatten().is_some_and(|np| np.status.is_some_and(|s| s.active_mode.is_some())) {
+        if proxies
+            .get_opt(&n2.name)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|np| np.status.is_some_and(|s| s.active_mode.is_some()))
+        {
             back = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(back, "{run}: the agent did not register its deleted NodeProxy again");
+    assert!(
+        back,
+        "{run}: the agent did not register its deleted NodeProxy again"
+    );
 
     // --cleanup leaves nothing of ours in the node.
     let idx = env.agents.iter().position(|a| a.node == n3.name).expect("agent");
     drop(env.agents.remove(idx));
     Cluster::exec(&n3.netns, &[&bin.display().to_string(), "--cleanup"]).expect("cleanup");
     let state = kernel_state(&n3.netns, mode, stack);
-    assert!(!state.contains("switchyard") && !state.contains("SWY"), "{run}: leftovers after --cleanup:\n{state}");
+    assert!(
+        !state.contains("switchyard") && !state.contains("SWY"),
+        "{run}: leftovers after --cleanup:\n{state}"
+    );
     drop(servers);
 }
 

@@ -199,9 +199,18 @@ fn chart_lints_and_renders() {
         assert!(!ok && err.contains("schema"), "{bad} must fail the schema: {err}");
     }
     // A dual-stack cluster CIDR (one per family) reaches the agent's flag as given.
-    let dual = tools::helm_ok(&["template", "sy", &chart(), "--set-string", "agent.clusterCIDR=10.244.0.0/16\\,fd00:10:244::/56"])
-        .expect("helm template with a dual-stack cluster CIDR");
-    assert!(dual.contains("--cluster-cidr=10.244.0.0/16,fd00:10:244::/56"), "{dual}");
+    let dual = tools::helm_ok(&[
+        "template",
+        "sy",
+        &chart(),
+        "--set-string",
+        "agent.clusterCIDR=10.244.0.0/16\\,fd00:10:244::/56",
+    ])
+    .expect("helm template with a dual-stack cluster CIDR");
+    assert!(
+        dual.contains("--cluster-cidr=10.244.0.0/16,fd00:10:244::/56"),
+        "{dual}"
+    );
     let (ok, _, err) = tools::helm_run(&[
         "template",
         "sy",

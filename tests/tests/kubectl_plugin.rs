@@ -6,10 +6,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use kube::{
-    Api,
-    api::PostParams,
-};
+use kube::{Api, api::PostParams};
 use serde_json::{Value, json};
 use switchyard_crds::v1alpha1::{PolicyPhase, ProxyPolicy, ProxyPolicyStatus};
 use switchyard_e2e::{agent, binaries, controlplane::ControlPlane, eventually, operator::Operator, tools};
@@ -82,7 +79,9 @@ async fn plan_matches_the_operator_and_the_commands_steer_it() {
             .metadata
             .uid
             .expect("uid");
-        switchyard_e2e::agent::register_node_proxy(&admin, &name, &uid).await.expect("np");
+        switchyard_e2e::agent::register_node_proxy(&admin, &name, &uid)
+            .await
+            .expect("np");
         // node-7's kernel is too old for nftables: the sample's fallback (iptables) applies there.
         let modes = if i == 7 {
             json!(["iptables"])
@@ -95,12 +94,16 @@ async fn plan_matches_the_operator_and_the_commands_steer_it() {
               "ipvs": {"usable": false}, "ipset": {"usable": true}},
             "activeMode": "iptables", "phase": "Active",
         }});
-        switchyard_e2e::agent::write_agent_status(&admin, &name, status["status"].clone()).await.expect("status");
+        switchyard_e2e::agent::write_agent_status(&admin, &name, status["status"].clone())
+            .await
+            .expect("status");
     }
     // The sample without its maintenance window (Mon–Thu office hours): what the planner says
     // must not depend on when the test runs.
-    let text = std::fs::read_to_string(binaries::workspace_root().join("config/samples/canary-iptables-to-nftables.yaml"))
-        .expect("sample");
+    let text = std::fs::read_to_string(
+        binaries::workspace_root().join("config/samples/canary-iptables-to-nftables.yaml"),
+    )
+    .expect("sample");
     let mut in_window = false;
     let without_window: String = text
         .lines()

@@ -71,7 +71,9 @@ fn agent_status(active: &str, supported: &[&str], last: Option<Value>) -> Value 
 }
 
 async fn write_status(proxies: &Api<NodeProxy>, node: &str, status: Value) {
-    switchyard_e2e::agent::write_agent_status(&proxies.clone().into_client(), node, status).await.expect("agent status");
+    switchyard_e2e::agent::write_agent_status(&proxies.clone().into_client(), node, status)
+        .await
+        .expect("agent status");
 }
 
 /// Plays every agent once: a node whose spec asks for a mode it does not run under a token it has
@@ -210,7 +212,11 @@ async fn events(client: &Client, policy: &str) -> Vec<(String, String)> {
 
 /// Events are published after the status write of the same reconcile: poll until `check` holds
 /// (at most 20 s) and return the events either way, so the caller's assertion reports them.
-async fn events_when(client: &Client, policy: &str, check: impl Fn(&[(String, String)]) -> bool) -> Vec<(String, String)> {
+async fn events_when(
+    client: &Client,
+    policy: &str,
+    check: impl Fn(&[(String, String)]) -> bool,
+) -> Vec<(String, String)> {
     let start = std::time::Instant::now();
     loop {
         let evs = events(client, policy).await;
@@ -487,7 +493,10 @@ spec:
         ["pool-a", "nftables", "6", "6", "6", "Ready"],
         "no current wave: {table}"
     );
-    let evs = events_when(&admin, "pool-a", |e| e.iter().filter(|(r, _)| r == "WaveCompleted").count() >= 3).await;
+    let evs = events_when(&admin, "pool-a", |e| {
+        e.iter().filter(|(r, _)| r == "WaveCompleted").count() >= 3
+    })
+    .await;
     println!("{evs:#?}");
     let count = |reason: &str, text: &str| {
         evs.iter()
@@ -634,7 +643,9 @@ spec:
         "b-low never applied its mode: {m:?}"
     );
     let evs = events_when(&admin, "b-high", |e| {
-        e.iter().any(|(r, n)| r == "NodeSwitchFailed" && n.contains(&canary)) && e.iter().any(|(r, _)| r == "Paused")
+        e.iter()
+            .any(|(r, n)| r == "NodeSwitchFailed" && n.contains(&canary))
+            && e.iter().any(|(r, _)| r == "Paused")
     })
     .await;
     assert!(

@@ -23,7 +23,10 @@ fn root_state() -> String {
 #[test]
 fn dual_stack_topology_routes_both_families_inside_the_namespaces_only() {
     // No apiserver here: the fabric's forwarder gets a port nothing listens on.
-    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
     let cluster = Cluster::create(2, 2, port).expect("2 namespace nodes");
     let (n1, n2) = (&cluster.nodes[0], &cluster.nodes[1]);
     assert_eq!(n1.ip6.to_string(), "fd00:10:250::11");
@@ -37,10 +40,18 @@ fn dual_stack_topology_routes_both_families_inside_the_namespaces_only() {
     }
     for ns in &all {
         let tentative = Cluster::exec(ns, &["ip", "-6", "addr", "show", "tentative"]).expect("ip addr");
-        assert_eq!(tentative.trim(), "", "{ns}: tentative IPv6 addresses (DAD must be off)");
+        assert_eq!(
+            tentative.trim(),
+            "",
+            "{ns}: tentative IPv6 addresses (DAD must be off)"
+        );
     }
 
-    let _servers: Vec<_> = cluster.nodes.iter().map(|n| start_server(&n.pods[0], &[8080], &[5353]).expect("echo")).collect();
+    let _servers: Vec<_> = cluster
+        .nodes
+        .iter()
+        .map(|n| start_server(&n.pods[0], &[8080], &[5353]).expect("echo"))
+        .collect();
     for family in Family::BOTH {
         // Pod to pod across nodes, TCP and UDP: no NAT, the server sees the client pod's address.
         let client = &n1.pods[1];
@@ -48,28 +59,69 @@ fn dual_stack_topology_routes_both_families_inside_the_namespaces_only() {
             let target = SocketAddr::new(n2.pods[0].ip_of(family), if udp { 5353 } else { 8080 });
             let o = probe(&client.netns, target, udp, 3, 1000).expect("probe");
             assert!(
-                o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str()) && x.peer_ip() == Some(client.ip_of(family))),
+                o.iter().all(|x| x.server() == Some(n2.pods[0].name.as_str())
+                    && x.peer_ip() == Some(client.ip_of(family))),
                 "{family:?} udp={udp} pod to pod: {o:?}"
             );
         }
         // The fabric (outside the cluster) to a pod, routed via the node.
-        let o = probe(&cluster.fabric, SocketAddr::new(n1.pods[0].ip_of(family), 8080), false, 2, 1000).expect("probe");
-        assert!(o.iter().all(|x| x.peer_ip() == Some(netns::fabric_ip(family))), "{family:?} fabric to pod: {o:?}");
+        let o = probe(
+            &cluster.fabric,
+            SocketAddr::new(n1.pods[0].ip_of(family), 8080),
+            false,
+            2,
+            1000,
+        )
+        .expect("probe");
+        assert!(
+            o.iter().all(|x| x.peer_ip() == Some(netns::fabric_ip(family))),
+            "{family:?} fabric to pod: {o:?}"
+        );
         // A node to a pod of another node (host-gw route), sourced from its fabric address.
-        let o = probe(&n2.netns, SocketAddr::new(n1.pods[0].ip_of(family), 8080), false, 2, 1000).expect("probe");
-        assert!(o.iter().all(|x| x.peer_ip() == Some(n2.ip_of(family))), "{family:?} node to remote pod: {o:?}");
+        let o = probe(
+            &n2.netns,
+            SocketAddr::new(n1.pods[0].ip_of(family), 8080),
+            false,
+            2,
+            1000,
+        )
+        .expect("probe");
+        assert!(
+            o.iter().all(|x| x.peer_ip() == Some(n2.ip_of(family))),
+            "{family:?} node to remote pod: {o:?}"
+        );
     }
     // Exactly the IPv4 text the other tests parse: `ok <name> a.b.c.d:port`, never `::ffff:`.
-    let o = probe(&n1.pods[1].netns, SocketAddr::new(n2.pods[0].ip.into(), 8080), false, 1, 1000).expect("probe");
+    let o = probe(
+        &n1.pods[1].netns,
+        SocketAddr::new(n2.pods[0].ip.into(), 8080),
+        false,
+        1,
+        1000,
+    )
+    .expect("probe");
     match &o[..] {
         [Outcome::Answered { server, peer }] => {
             assert_eq!(server, &n2.pods[0].name);
-            assert!(peer.starts_with(&format!("{}:", n1.pods[1].ip)) && !peer.contains('['), "{peer}");
+            assert!(
+                peer.starts_with(&format!("{}:", n1.pods[1].ip)) && !peer.contains('['),
+                "{peer}"
+            );
         }
         other => panic!("{other:?}"),
     }
-    let o = probe(&n1.pods[1].netns, SocketAddr::new(n2.pods[0].ip6.into(), 8080), false, 1, 1000).expect("probe");
-    assert!(matches!(&o[..], [Outcome::Answered { peer, .. }] if peer.starts_with(&format!("[{}]:", n1.pods[1].ip6))), "{o:?}");
+    let o = probe(
+        &n1.pods[1].netns,
+        SocketAddr::new(n2.pods[0].ip6.into(), 8080),
+        false,
+        1,
+        1000,
+    )
+    .expect("probe");
+    assert!(
+        matches!(&o[..], [Outcome::Answered { peer, .. }] if peer.starts_with(&format!("[{}]:", n1.pods[1].ip6))),
+        "{o:?}"
+    );
 
     // Nothing of the cluster in the root namespace: no address, no route.
     let root = root_state();

@@ -22,7 +22,8 @@ fn main() -> ExitCode {
     for dir in ["config/crd", "helm/switchyard/crds"] {
         for (name, body) in &files {
             let path = root.join(dir).join(name);
-            if let Err(e) = std::fs::create_dir_all(root.join(dir)).and_then(|()| std::fs::write(&path, body)) {
+            if let Err(e) = std::fs::create_dir_all(root.join(dir)).and_then(|()| std::fs::write(&path, body))
+            {
                 eprintln!("crdgen: cannot write {}: {e}", path.display());
                 return ExitCode::FAILURE;
             }

@@ -4,7 +4,9 @@ use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 
 /// A Linux service-proxy data plane.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ProxyMode {
     /// iptables: `SWY-*` chains in the nat and filter tables, loaded with `iptables-restore --noflush`.

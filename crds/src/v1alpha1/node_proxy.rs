@@ -18,13 +18,45 @@ use super::{HealthGate, ProxyMode, ProxySettings};
     shortname = "np",
     category = "switchyard",
     status = "NodeProxyStatus",
-    printcolumn(name = "Desired", type_ = "string", json_path = ".spec.desiredMode", description = "Mode the operator wants"),
-    printcolumn(name = "Active", type_ = "string", json_path = ".status.activeMode", description = "Mode the agent runs"),
-    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase", description = "Switch phase"),
-    printcolumn(name = "Kernel", type_ = "string", json_path = ".status.capabilities.kernelVersion", description = "Kernel release"),
-    printcolumn(name = "Modes", type_ = "string", json_path = ".status.capabilities.supportedModes", priority = 1, description = "Modes this kernel can run"),
-    printcolumn(name = "Policy", type_ = "string", json_path = ".spec.policy.name", priority = 1, description = "Governing ProxyPolicy"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Desired",
+        type_ = "string",
+        json_path = ".spec.desiredMode",
+        description = "Mode the operator wants"
+    ),
+    printcolumn(
+        name = "Active",
+        type_ = "string",
+        json_path = ".status.activeMode",
+        description = "Mode the agent runs"
+    ),
+    printcolumn(
+        name = "Phase",
+        type_ = "string",
+        json_path = ".status.phase",
+        description = "Switch phase"
+    ),
+    printcolumn(
+        name = "Kernel",
+        type_ = "string",
+        json_path = ".status.capabilities.kernelVersion",
+        description = "Kernel release"
+    ),
+    printcolumn(
+        name = "Modes",
+        type_ = "string",
+        json_path = ".status.capabilities.supportedModes",
+        priority = 1,
+        description = "Modes this kernel can run"
+    ),
+    printcolumn(
+        name = "Policy",
+        type_ = "string",
+        json_path = ".spec.policy.name",
+        priority = 1,
+        description = "Governing ProxyPolicy"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct NodeProxySpec {

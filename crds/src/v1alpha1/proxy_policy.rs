@@ -21,13 +21,43 @@ use super::{HealthGate, ProxyMode, ProxySettings};
     shortname = "pp",
     category = "switchyard",
     status = "ProxyPolicyStatus",
-    printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode", description = "Proxy mode the pool should run"),
-    printcolumn(name = "Nodes", type_ = "integer", json_path = ".status.targetNodes", description = "Nodes governed by this policy"),
-    printcolumn(name = "Updated", type_ = "integer", json_path = ".status.updatedNodes", description = "Nodes whose active mode is the policy's mode"),
-    printcolumn(name = "Healthy", type_ = "integer", json_path = ".status.healthyNodes", description = "Updated nodes that passed the health gate"),
-    printcolumn(name = "Wave", type_ = "string", json_path = ".status.currentWave", description = "Wave being rolled out"),
-    printcolumn(name = "Status", type_ = "string", json_path = ".status.phase", description = "Summary of the rollout"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Mode",
+        type_ = "string",
+        json_path = ".spec.mode",
+        description = "Proxy mode the pool should run"
+    ),
+    printcolumn(
+        name = "Nodes",
+        type_ = "integer",
+        json_path = ".status.targetNodes",
+        description = "Nodes governed by this policy"
+    ),
+    printcolumn(
+        name = "Updated",
+        type_ = "integer",
+        json_path = ".status.updatedNodes",
+        description = "Nodes whose active mode is the policy's mode"
+    ),
+    printcolumn(
+        name = "Healthy",
+        type_ = "integer",
+        json_path = ".status.healthyNodes",
+        description = "Updated nodes that passed the health gate"
+    ),
+    printcolumn(
+        name = "Wave",
+        type_ = "string",
+        json_path = ".status.currentWave",
+        description = "Wave being rolled out"
+    ),
+    printcolumn(
+        name = "Status",
+        type_ = "string",
+        json_path = ".status.phase",
+        description = "Summary of the rollout"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[x_kube(validation = Rule::new("!has(self.fallback) || self.fallback != self.mode").message("spec.fallback must differ from spec.mode (use 'skip' to leave incompatible nodes alone)"))]
 #[x_kube(validation = Rule::new("self.mode != 'nftables' || !has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts").message("proxy.localhostNodePorts is not supported in nftables mode"))]
@@ -153,7 +183,10 @@ fn default_max_unavailable() -> IntOrString {
 #[x_kube(validation = Rule::new("has(self.nodes) || has(self.nodeSelector)").message("a wave must set nodes, nodeSelector, or both"))]
 pub struct Wave {
     /// Name of the wave, unique in the policy (a DNS label, e.g. `canary`).
-    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
     pub name: String,
 
     /// How many nodes of the pool this wave takes: a count, or a percent of the pool (rounded up).

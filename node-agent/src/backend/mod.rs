@@ -14,10 +14,10 @@
 //! - Syncing never flushes a path that stays: rules of unchanged services keep serving during a sync
 //!   (transactions are atomic), so established and new connections are not interrupted.
 
-pub mod names;
-pub mod nftables;
 pub mod iptables;
 pub mod ipvs;
+pub mod names;
+pub mod nftables;
 #[cfg(test)]
 mod sctp_vm_tests;
 #[cfg(test)]
@@ -59,12 +59,17 @@ impl Default for Settings {
 impl Settings {
     /// The cluster CIDR of `family`, if configured.
     pub fn cluster_cidr(&self, family: IpFamily) -> Option<IpNet> {
-        self.cluster_cidrs.iter().copied().find(|n| IpFamily::of_net(n) == family)
+        self.cluster_cidrs
+            .iter()
+            .copied()
+            .find(|n| IpFamily::of_net(n) == family)
     }
 
     /// The NodePort addresses of `family`: `None` for every local address.
     pub fn node_port_addresses(&self, family: IpFamily) -> Option<Vec<std::net::IpAddr>> {
-        self.node_port_addresses.of(family).map(<[std::net::IpAddr]>::to_vec)
+        self.node_port_addresses
+            .of(family)
+            .map(<[std::net::IpAddr]>::to_vec)
     }
 }
 
@@ -162,13 +167,21 @@ pub struct FamilyResults {
 impl FamilyResults {
     /// Passes on `result` of a sync of `family`: `Ok(Some(stats))`, `Ok(None)` for a tolerated
     /// IPv6 failure (left out of the sync's stats), or the error.
-    pub fn check(&mut self, family: IpFamily, result: Result<SyncStats, BackendError>) -> Result<Option<SyncStats>, BackendError> {
+    pub fn check(
+        &mut self,
+        family: IpFamily,
+        result: Result<SyncStats, BackendError>,
+    ) -> Result<Option<SyncStats>, BackendError> {
         match result {
             Ok(stats) => {
                 self.warned = false;
                 Ok(Some(stats))
             }
-            Err(e) if family == IpFamily::V6 && (matches!(e, BackendError::ToolMissing { .. }) || !crate::sys::host::ipv6_enabled()) => {
+            Err(e)
+                if family == IpFamily::V6
+                    && (matches!(e, BackendError::ToolMissing { .. })
+                        || !crate::sys::host::ipv6_enabled()) =>
+            {
                 if !self.warned {
                     tracing::warn!(error = %e, "IPv6 is unavailable on this node; serving IPv4 only, retrying with every sync");
                     self.warned = true;
@@ -230,7 +243,12 @@ pub trait Backend: Send {
     fn mode(&self) -> switchyard_crds::v1alpha1::ProxyMode;
     /// Programs `snapshot` (both families); `full` rewrites everything, otherwise only `changes`
     /// and shared objects.
-    fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError>;
+    fn sync(
+        &mut self,
+        snapshot: &DualSnapshot,
+        changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError>;
     /// Removes every kernel object this backend owns. Idempotent.
     fn cleanup(&mut self) -> Result<(), BackendError>;
     /// The rendered desired state as text (nft syntax, iptables-save syntax), for `--render`.
@@ -240,7 +258,10 @@ pub trait Backend: Send {
     /// cut-over primitive: un-bypass the new backend, then bypass the old one.
     fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {
         let _ = bypassed;
-        Err(BackendError::Unsupported { backend: "backend", what: "bypass" })
+        Err(BackendError::Unsupported {
+            backend: "backend",
+            what: "bypass",
+        })
     }
     /// Reads the kernel back and describes every difference from what the last sync programmed
     /// (empty: no drift).
@@ -251,9 +272,17 @@ pub trait Backend: Send {
 
 /// Builds the backend for `mode` (the operator only asks for modes the node reports as supported;
 /// IPVS mode uses the iptables `variant` for its few rules).
-pub fn new_backend(mode: switchyard_crds::v1alpha1::ProxyMode, settings: Settings, iptables_variant: &str) -> Box<dyn Backend> {
+pub fn new_backend(
+    mode: switchyard_crds::v1alpha1::ProxyMode,
+    settings: Settings,
+    iptables_variant: &str,
+) -> Box<dyn Backend> {
     use switchyard_crds::v1alpha1::ProxyMode;
-    let variant = if iptables_variant == "nft" { crate::sys::iptables::Variant::Nft } else { crate::sys::iptables::Variant::Legacy };
+    let variant = if iptables_variant == "nft" {
+        crate::sys::iptables::Variant::Nft
+    } else {
+        crate::sys::iptables::Variant::Legacy
+    };
     match mode {
         ProxyMode::Nftables => Box::new(nftables::NftablesBackend::new(settings)),
         ProxyMode::Iptables => Box::new(iptables::IptablesBackend::new(variant, settings)),
@@ -264,14 +293,24 @@ pub fn new_backend(mode: switchyard_crds::v1alpha1::ProxyMode, settings: Setting
 /// Removes everything Switchyard owns in every backend and variant; collects every failure.
 pub fn cleanup_all() -> Vec<BackendError> {
     let mut errors = Vec::new();
-    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(nftables::NftablesBackend::new(Settings::default()))];
+    let mut backends: Vec<Box<dyn Backend>> =
+        vec![Box::new(nftables::NftablesBackend::new(Settings::default()))];
     // IPVS first: its jump rules reference `SWY-IPVS-*` chains, which must be gone before the
     // iptables backend deletes `SWY-*` chains.
-    for variant in [crate::sys::iptables::Variant::Legacy, crate::sys::iptables::Variant::Nft] {
+    for variant in [
+        crate::sys::iptables::Variant::Legacy,
+        crate::sys::iptables::Variant::Nft,
+    ] {
         backends.push(Box::new(ipvs::IpvsBackend::new(variant, Settings::default())));
     }
-    for variant in [crate::sys::iptables::Variant::Legacy, crate::sys::iptables::Variant::Nft] {
-        backends.push(Box::new(iptables::IptablesBackend::new(variant, Settings::default())));
+    for variant in [
+        crate::sys::iptables::Variant::Legacy,
+        crate::sys::iptables::Variant::Nft,
+    ] {
+        backends.push(Box::new(iptables::IptablesBackend::new(
+            variant,
+            Settings::default(),
+        )));
     }
     for mut b in backends {
         if let Err(e) = b.cleanup() {
@@ -286,17 +325,38 @@ mod tests {
     use super::*;
 
     fn failure() -> Result<SyncStats, BackendError> {
-        Err(BackendError::Command { backend: "test", command: "ip6tables-restore".into(), detail: "not found".into() })
+        Err(BackendError::Command {
+            backend: "test",
+            command: "ip6tables-restore".into(),
+            detail: "not found".into(),
+        })
     }
 
     #[test]
     fn ipv6_failures_are_tolerated_only_where_ipv6_is_unavailable() {
-        let missing = || Err(BackendError::ToolMissing { backend: "test", command: "ip6tables-restore".into(), detail: "not found".into() });
+        let missing = || {
+            Err(BackendError::ToolMissing {
+                backend: "test",
+                command: "ip6tables-restore".into(),
+                detail: "not found".into(),
+            })
+        };
         let mut v4 = FamilyResults::default();
-        assert!(v4.check(IpFamily::V4, missing()).is_err(), "IPv4 must always work");
+        assert!(
+            v4.check(IpFamily::V4, missing()).is_err(),
+            "IPv4 must always work"
+        );
         let mut v6 = FamilyResults::default();
-        assert_eq!(v6.check(IpFamily::V6, missing()).ok(), Some(None), "no ip6tables: the node serves IPv4");
-        let stats = SyncStats { full: true, services: 3, ..Default::default() };
+        assert_eq!(
+            v6.check(IpFamily::V6, missing()).ok(),
+            Some(None),
+            "no ip6tables: the node serves IPv4"
+        );
+        let stats = SyncStats {
+            full: true,
+            services: 3,
+            ..Default::default()
+        };
         assert_eq!(v6.check(IpFamily::V6, Ok(stats.clone())).ok(), Some(Some(stats)));
         // This test runs where IPv6 exists: a kernel refusal is an error, not a missing family.
         assert!(crate::sys::host::ipv6_enabled());

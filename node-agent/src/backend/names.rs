@@ -47,17 +47,29 @@ pub fn nft_service_chain(prefix: &str, name: &ServicePortName) -> String {
 /// become dots, as kube-proxy writes them, since nft's parser reads `:` as a separator.
 pub fn nft_endpoint_name(prefix: &str, name: &ServicePortName, ep: &Endpoint) -> String {
     let ip = ep.ip.to_string().replace(':', ".");
-    format!("{prefix}{}", nft_hashed(&format!("{}__{ip}/{}", nft_service_base(name), ep.port)))
+    format!(
+        "{prefix}{}",
+        nft_hashed(&format!("{}__{ip}/{}", nft_service_base(name), ep.port))
+    )
 }
 
 /// iptables chain of a service port: `SWY-<kind>-<16 base32>` (28-character limit).
 pub fn ipt_service_chain(kind: &str, name: &ServicePortName) -> String {
-    format!("SWY-{kind}-{}", hash_base32(&format!("{name}{}", name.protocol.as_str()), 16))
+    format!(
+        "SWY-{kind}-{}",
+        hash_base32(&format!("{name}{}", name.protocol.as_str()), 16)
+    )
 }
 
 /// iptables chain of one endpoint: `SWY-SEP-<16 base32>`.
 pub fn ipt_endpoint_chain(name: &ServicePortName, ep: &Endpoint) -> String {
-    format!("SWY-SEP-{}", hash_base32(&format!("{name}{}{}:{}", name.protocol.as_str(), ep.ip, ep.port), 16))
+    format!(
+        "SWY-SEP-{}",
+        hash_base32(
+            &format!("{name}{}{}:{}", name.protocol.as_str(), ep.ip, ep.port),
+            16
+        )
+    )
 }
 
 #[cfg(test)]
@@ -71,6 +83,9 @@ mod tests {
         assert_eq!(hash_base32("ns1/svc1/tcp/p80__10.180.0.1/80", 8), "5OJB2KTY");
         assert_eq!(hash_base32("default/kubernetes/tcp/https", 8), "2QRHZV4L");
         assert_eq!(hash_base32("kube-system/kube-dns:dnsudp", 16), "TCOU7JCQXEZGVUNU");
-        assert_eq!(hash_base32("kube-system/kube-dns:dnsudp10.244.0.3:53", 16), "6E7XQMQ4RAYOWTTM");
+        assert_eq!(
+            hash_base32("kube-system/kube-dns:dnsudp10.244.0.3:53", 16),
+            "6E7XQMQ4RAYOWTTM"
+        );
     }
 }

@@ -144,8 +144,7 @@ fn ask(dst: &str, port: u16, limit: Duration) -> std::io::Result<String> {
 fn spread(dst: &str, port: u16) -> BTreeMap<String, usize> {
     let mut counts: BTreeMap<String, usize> = SERVERS.iter().map(|(ns, _)| (ns.to_string(), 0)).collect();
     for i in 0..ASSOCIATIONS {
-        let who =
-            ask(dst, port, TIMEOUT).unwrap_or_else(|e| panic!("association {i} to {dst}:{port}: {e}"));
+        let who = ask(dst, port, TIMEOUT).unwrap_or_else(|e| panic!("association {i} to {dst}:{port}: {e}"));
         *counts.entry(who).or_default() += 1;
     }
     counts
@@ -196,7 +195,11 @@ fn sctp_port(name: &str, cluster_ip: &str, node_port: Option<u16>) -> ServicePor
     let name = fixtures::port_name("sctp", name, "assoc", Protocol::Sctp);
     ServicePort {
         node_port,
-        ..fixtures::cluster_ip(name, cluster_ip.parse::<std::net::IpAddr>().unwrap(), SERVICE_PORT)
+        ..fixtures::cluster_ip(
+            name,
+            cluster_ip.parse::<std::net::IpAddr>().unwrap(),
+            SERVICE_PORT,
+        )
     }
 }
 
@@ -266,7 +269,11 @@ fn exercise(backend: &str, b: &mut dyn Backend, leftovers: impl Fn() -> Vec<Stri
     b.cleanup().unwrap();
     assert_eq!(leftovers(), Vec::<String>::new(), "before the test");
     let stats = b
-        .sync(&crate::model::DualSnapshot::from(snapshot()), &Changes::default(), true)
+        .sync(
+            &crate::model::DualSnapshot::from(snapshot()),
+            &Changes::default(),
+            true,
+        )
         .unwrap_or_else(|e| panic!("{backend} sync: {e}"));
     assert_eq!(
         b.verify().unwrap(),
@@ -328,8 +335,16 @@ fn exercise(backend: &str, b: &mut dyn Backend, leftovers: impl Fn() -> Vec<Stri
     assert_eq!(cluster.values().sum::<usize>(), ASSOCIATIONS, "{cluster:?}");
     assert_eq!(node_port.values().sum::<usize>(), ASSOCIATIONS, "{node_port:?}");
     let refused = Err(Refusal::Os(nix::errno::Errno::ENOPROTOOPT));
-    assert_eq!((refused_ip.0, refused_np.0), (refused.clone(), refused), "default sockets are refused");
-    assert!(icmp1 - icmp0 >= 2, "the node rejected each INIT: {} ICMP", icmp1 - icmp0);
+    assert_eq!(
+        (refused_ip.0, refused_np.0),
+        (refused.clone(), refused),
+        "default sockets are refused"
+    );
+    assert!(
+        icmp1 - icmp0 >= 2,
+        "the node rejected each INIT: {} ICMP",
+        icmp1 - icmp0
+    );
     assert!(left.is_empty(), "{left:?}");
 }
 

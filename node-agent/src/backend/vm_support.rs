@@ -8,12 +8,18 @@ use nix::sched::{CloneFlags, setns};
 
 /// Fails unless running inside the VM (`scripts/ipvs-vm.sh` sets `SWITCHYARD_IPVS_VM`).
 pub fn require_vm() {
-    assert!(std::env::var_os("SWITCHYARD_IPVS_VM").is_some(), "VM-only test: run scripts/ipvs-vm.sh");
+    assert!(
+        std::env::var_os("SWITCHYARD_IPVS_VM").is_some(),
+        "VM-only test: run scripts/ipvs-vm.sh"
+    );
 }
 
 /// Runs `args`; returns whether it succeeded and its stdout plus stderr.
 fn run(args: &[&str]) -> (bool, String) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
 }
@@ -53,7 +59,9 @@ pub fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
 /// `{prefix}{ns}` holding `gateway`/24, and a default route through it.
 pub fn wired_netns(ns: &str, prefix: &str, addr: &str, gateway: &str) {
     ipcmd(&format!("netns add {ns}"));
-    ipcmd(&format!("link add {prefix}{ns} type veth peer name eth0 netns {ns}"));
+    ipcmd(&format!(
+        "link add {prefix}{ns} type veth peer name eth0 netns {ns}"
+    ));
     ipcmd(&format!("addr add {gateway}/24 dev {prefix}{ns}"));
     ipcmd(&format!("link set {prefix}{ns} up"));
     ipcmd(&format!("-n {ns} addr add {addr}/24 dev eth0"));

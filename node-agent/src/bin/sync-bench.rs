@@ -44,7 +44,11 @@ fn slice(i: usize, generation: u32) -> EndpointSlice {
 
 fn settings() -> Settings {
     Settings {
-        node: NodeInfo { name: "node-1".into(), addresses: vec![Ipv4Addr::new(10, 250, 0, 11).into()], zone: None },
+        node: NodeInfo {
+            name: "node-1".into(),
+            addresses: vec![Ipv4Addr::new(10, 250, 0, 11).into()],
+            zone: None,
+        },
         cluster_cidrs: "10.128.0.0/9".parse().into_iter().collect(),
         ..Default::default()
     }
@@ -54,7 +58,10 @@ fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:").and_then(|v| v.split_whitespace().next()?.parse().ok()))
+        .find_map(|l| {
+            l.strip_prefix("VmRSS:")
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
         .unwrap_or(0)
 }
 
@@ -62,7 +69,10 @@ struct Netns(String);
 impl Netns {
     fn new(tag: &str) -> Self {
         let name = format!("swyb{}-{tag}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).stderr(std::process::Stdio::null()).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &name])
+            .stderr(std::process::Stdio::null())
+            .status();
         let _ = Command::new("ip").args(["netns", "add", &name]).status();
         Self(name)
     }
@@ -124,7 +134,9 @@ fn child(kind: Kind, n: usize, incremental: bool) {
     let snapshot = tracker.snapshot();
     tracker.take_changes();
     let start = Instant::now();
-    let full = backend.sync(&snapshot, &Changes::default(), true).map(|_| start.elapsed());
+    let full = backend
+        .sync(&snapshot, &Changes::default(), true)
+        .map(|_| start.elapsed());
     drop(snapshot);
     let full = match full {
         Ok(d) => d,
@@ -163,7 +175,10 @@ fn child(kind: Kind, n: usize, incremental: bool) {
 /// chain rewrite with DNAT rules, each as its own transaction on the loaded table.
 fn breakdown() {
     use switchyard_agent::{
-        backend::nftables::{encode::Batch, ir::{Element, Expr, Key, Rule}},
+        backend::nftables::{
+            encode::Batch,
+            ir::{Element, Expr, Key, Rule},
+        },
         model::{IpFamily, Protocol},
         sys,
     };
@@ -175,35 +190,78 @@ fn breakdown() {
         (start.elapsed().as_secs_f64() * 1000.0, ok)
     };
     let mut b = Batch::new(IpFamily::V4);
-    let e = Element { key: Key::Addr(Ipv4Addr::new(10, 99, 0, 1).into()), verdict: None, dnat: None, comment: None };
+    let e = Element {
+        key: Key::Addr(Ipv4Addr::new(10, 99, 0, 1).into()),
+        verdict: None,
+        dnat: None,
+        comment: None,
+    };
     b.elements("cluster-ips", &[&e], true);
     eprintln!("breakdown: add one plain set element: {:?} ms", time(b));
     let mut b = Batch::new(IpFamily::V4);
     b.add_chain("bench-extra", None);
-    b.add_rule("bench-extra", &Rule::new(vec![Expr::L4Proto(Protocol::Tcp), Expr::Dnat(Ipv4Addr::new(10, 128, 0, 1).into(), 80)]));
-    eprintln!("breakdown: add one unreferenced chain with a DNAT rule: {:?} ms", time(b));
+    b.add_rule(
+        "bench-extra",
+        &Rule::new(vec![
+            Expr::L4Proto(Protocol::Tcp),
+            Expr::Dnat(Ipv4Addr::new(10, 128, 0, 1).into(), 80),
+        ]),
+    );
+    eprintln!(
+        "breakdown: add one unreferenced chain with a DNAT rule: {:?} ms",
+        time(b)
+    );
     let mut b = Batch::new(IpFamily::V4);
     b.add_table("rules for switchyard");
     eprintln!("breakdown: empty transaction (add table): {:?} ms", time(b));
 }
 
-fn run_size(kind: Kind, n: usize, incremental: bool) -> (Result<Duration, String>, Option<Duration>, Option<Duration>, Option<f64>) {
+fn run_size(
+    kind: Kind,
+    n: usize,
+    incremental: bool,
+) -> (
+    Result<Duration, String>,
+    Option<Duration>,
+    Option<Duration>,
+    Option<f64>,
+) {
     let ns = Netns::new(&format!("{n}"));
-    let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_default();
+    let exe = std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
     let out = Command::new("ip")
-        .args(["netns", "exec", &ns.0, &exe, "--child", kind.arg(), &n.to_string(), if incremental { "1" } else { "0" }])
+        .args([
+            "netns",
+            "exec",
+            &ns.0,
+            &exe,
+            "--child",
+            kind.arg(),
+            &n.to_string(),
+            if incremental { "1" } else { "0" },
+        ])
         .output();
-    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
     let Some(line) = text.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
         return (Err("child produced no result".into()), None, None, None);
     };
     let f: Vec<&str> = line.split_whitespace().collect();
-    let dur = |s: Option<&&str>| s.and_then(|v| v.parse::<f64>().ok()).map(|ms| Duration::from_secs_f64(ms / 1000.0));
+    let dur = |s: Option<&&str>| {
+        s.and_then(|v| v.parse::<f64>().ok())
+            .map(|ms| Duration::from_secs_f64(ms / 1000.0))
+    };
     let full = match f.first() {
         Some(v) if v.starts_with("error:") => Err(v.trim_start_matches("error:").replace('_', " ")),
         v => dur(v).ok_or_else(|| "unparsable".to_owned()),
     };
-    let rss = f.get(3).and_then(|v| v.parse::<f64>().ok()).map(|k| k / 1024.0).filter(|_| incremental);
+    let rss = f
+        .get(3)
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|k| k / 1024.0)
+        .filter(|_| incremental);
     (full, dur(f.get(1)), dur(f.get(2)), rss)
 }
 
@@ -232,15 +290,28 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_else(|| vec![1000, 10_000, 30_000]);
-    let incremental_at = if sizes.contains(&10_000) { 10_000 } else { sizes.iter().copied().max().unwrap_or(0) };
-    println!("Switchyard sync benchmark: N ClusterIP services × 2 endpoints, fresh netns per run, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let incremental_at = if sizes.contains(&10_000) {
+        10_000
+    } else {
+        sizes.iter().copied().max().unwrap_or(0)
+    };
+    println!(
+        "Switchyard sync benchmark: N ClusterIP services × 2 endpoints, fresh netns per run, {} cores",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
     let mut rows = Vec::new();
     for kind in [Kind::Nft, Kind::IptLegacy, Kind::IptNft] {
-        let mut row = Row { full: Vec::new(), add_one: None, endpoint_change: None, rss_mib: None };
+        let mut row = Row {
+            full: Vec::new(),
+            add_one: None,
+            endpoint_change: None,
+            rss_mib: None,
+        };
         let mut skip_rest = false;
         for &n in &sizes {
             if skip_rest {
-                row.full.push((n, Err("skipped (previous size took > 20 s)".into())));
+                row.full
+                    .push((n, Err("skipped (previous size took > 20 s)".into())));
                 continue;
             }
             let (full, add, ep, rss) = run_size(kind, n, n == incremental_at);
@@ -264,14 +335,19 @@ fn main() {
     println!("|---|{}---|---|---|", "---|".repeat(sizes.len()));
     for (kind, row) in rows {
         let full: Vec<String> = row.full.iter().map(|(_, d)| fmt(d)).collect();
-        let ms = |d: Option<Duration>| d.map(|d| format!("{:.1} ms", d.as_secs_f64() * 1000.0)).unwrap_or_else(|| "-".into());
+        let ms = |d: Option<Duration>| {
+            d.map(|d| format!("{:.1} ms", d.as_secs_f64() * 1000.0))
+                .unwrap_or_else(|| "-".into())
+        };
         println!(
             "| {} | {} | {} | {} | {} |",
             kind.name(),
             full.join(" | "),
             ms(row.add_one),
             ms(row.endpoint_change),
-            row.rss_mib.map(|r| format!("{r:.1} MiB")).unwrap_or_else(|| "-".into())
+            row.rss_mib
+                .map(|r| format!("{r:.1} MiB"))
+                .unwrap_or_else(|| "-".into())
         );
     }
 }

@@ -15,17 +15,24 @@ pub const DEFAULT_AFFINITY_SECONDS: u32 = 10800;
 
 /// Whether this proxy handles `service`: a Service labelled with a service-proxy-name is handled
 /// only by a proxy configured with that name; unlabelled Services only by unnamed proxies.
-pub fn handled_by(labels: Option<&std::collections::BTreeMap<String, String>>, proxy_name: Option<&str>) -> bool {
-    let label = labels.and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL)).map(String::as_str);
+pub fn handled_by(
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+    proxy_name: Option<&str>,
+) -> bool {
+    let label = labels
+        .and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL))
+        .map(String::as_str);
     label == proxy_name
 }
 
 /// The service ports of `svc` this proxy programs (empty for skipped Services).
 pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort> {
-    let (Some(namespace), Some(name), Some(spec)) = (&svc.metadata.namespace, &svc.metadata.name, &svc.spec) else {
+    let (Some(namespace), Some(name), Some(spec)) = (&svc.metadata.namespace, &svc.metadata.name, &svc.spec)
+    else {
         return Vec::new();
     };
-    if !handled_by(svc.metadata.labels.as_ref(), proxy_name) || spec.type_.as_deref() == Some("ExternalName") {
+    if !handled_by(svc.metadata.labels.as_ref(), proxy_name) || spec.type_.as_deref() == Some("ExternalName")
+    {
         return Vec::new();
     }
     // `clusterIPs` lists one address per family (primary first); older objects only `clusterIP`.
@@ -34,7 +41,10 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
         _ => spec.cluster_ip.iter().filter_map(|ip| ip.parse().ok()).collect(),
     };
     let parse_ips = |list: Option<&Vec<String>>| -> Vec<IpAddr> {
-        list.into_iter().flatten().filter_map(|s| s.parse().ok()).collect()
+        list.into_iter()
+            .flatten()
+            .filter_map(|s| s.parse().ok())
+            .collect()
     };
     let external_ips = parse_ips(spec.external_ips.as_ref());
     let is_lb = spec.type_.as_deref() == Some("LoadBalancer");
@@ -64,19 +74,33 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
             .and_then(|t| u32::try_from(t).ok())
             .unwrap_or(DEFAULT_AFFINITY_SECONDS)
     });
-    let service = ServiceName { namespace: namespace.clone(), name: name.clone() };
+    let service = ServiceName {
+        namespace: namespace.clone(),
+        name: name.clone(),
+    };
     let mut ports = Vec::new();
     // "None" (headless) does not parse, so headless Services yield nothing.
     for cluster_ip in cluster_ips {
         let family = IpFamily::of(&cluster_ip);
-        let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> { ips.iter().copied().filter(|ip| family.holds(ip)).collect() };
-        let ranges: Vec<IpNet> = source_ranges.iter().copied().filter(|n| IpFamily::of_net(n) == family).collect();
+        let of_family =
+            |ips: &[IpAddr]| -> Vec<IpAddr> { ips.iter().copied().filter(|ip| family.holds(ip)).collect() };
+        let ranges: Vec<IpNet> = source_ranges
+            .iter()
+            .copied()
+            .filter(|n| IpFamily::of_net(n) == family)
+            .collect();
         for p in spec.ports.iter().flatten() {
-            let (Some(protocol), Ok(port)) = (Protocol::from_k8s(p.protocol.as_deref()), u16::try_from(p.port)) else {
+            let (Some(protocol), Ok(port)) =
+                (Protocol::from_k8s(p.protocol.as_deref()), u16::try_from(p.port))
+            else {
                 continue;
             };
             ports.push(ServicePort {
-                name: ServicePortName { service: service.clone(), port_name: p.name.clone().unwrap_or_default(), protocol },
+                name: ServicePortName {
+                    service: service.clone(),
+                    port_name: p.name.clone().unwrap_or_default(),
+                    protocol,
+                },
                 cluster_ip,
                 port,
                 node_port: p.node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0),
@@ -86,7 +110,10 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
                 affinity_timeout_seconds: affinity,
                 external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
                 internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-                health_check_node_port: spec.health_check_node_port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n > 0),
+                health_check_node_port: spec
+                    .health_check_node_port
+                    .and_then(|n| u16::try_from(n).ok())
+                    .filter(|n| *n > 0),
             });
         }
     }
@@ -97,13 +124,20 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
 pub fn slice_service(slice: &EndpointSlice) -> Option<ServiceName> {
     Some(ServiceName {
         namespace: slice.metadata.namespace.clone()?,
-        name: slice.metadata.labels.as_ref()?.get("kubernetes.io/service-name")?.clone(),
+        name: slice
+            .metadata
+            .labels
+            .as_ref()?
+            .get("kubernetes.io/service-name")?
+            .clone(),
     })
 }
 
 /// The family of an EndpointSlice (`None` for FQDN slices, which proxies ignore).
 pub fn slice_family(slice: &EndpointSlice) -> Option<IpFamily> {
-    IpFamily::ALL.into_iter().find(|f| f.k8s_name() == slice.address_type)
+    IpFamily::ALL
+        .into_iter()
+        .find(|f| f.k8s_name() == slice.address_type)
 }
 
 /// Endpoints of an IPv4 or IPv6 EndpointSlice per `(port name, protocol)`; addresses not of the
@@ -113,7 +147,13 @@ pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<En
         return Vec::new();
     };
     let ports = slice.ports.iter().flatten().filter_map(|p| {
-        Some(((p.name.clone().unwrap_or_default(), Protocol::from_k8s(p.protocol.as_deref())?), u16::try_from(p.port?).ok()?))
+        Some((
+            (
+                p.name.clone().unwrap_or_default(),
+                Protocol::from_k8s(p.protocol.as_deref())?,
+            ),
+            u16::try_from(p.port?).ok()?,
+        ))
     });
     ports
         .map(|(key, port)| {
@@ -133,15 +173,19 @@ pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<En
                         .flatten()
                         .map(|z| z.name.clone())
                         .collect();
-                    e.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()).filter(move |ip| family.holds(ip)).map(move |ip| Endpoint {
-                        ip,
-                        port,
-                        ready,
-                        serving,
-                        terminating,
-                        node_name: e.node_name.clone(),
-                        zone_hints: zone_hints.clone(),
-                    })
+                    e.addresses
+                        .iter()
+                        .filter_map(|a| a.parse::<IpAddr>().ok())
+                        .filter(move |ip| family.holds(ip))
+                        .map(move |ip| Endpoint {
+                            ip,
+                            port,
+                            ready,
+                            serving,
+                            terminating,
+                            node_name: e.node_name.clone(),
+                            zone_hints: zone_hints.clone(),
+                        })
                 })
                 .collect();
             eps.sort();

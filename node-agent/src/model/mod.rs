@@ -90,7 +90,9 @@ impl Protocol {
 
     /// From an IP protocol number.
     pub fn from_number(n: u8) -> Option<Self> {
-        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp].into_iter().find(|p| p.number() == n)
+        [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+            .into_iter()
+            .find(|p| p.number() == n)
     }
 
     /// The Kubernetes spelling (`TCP`, `UDP`, `SCTP`), which is also how ipvsadm prints it.
@@ -237,7 +239,10 @@ pub struct Snapshot {
 impl Snapshot {
     /// An empty snapshot of `family`.
     pub fn new(family: IpFamily) -> Self {
-        Self { family, ..Default::default() }
+        Self {
+            family,
+            ..Default::default()
+        }
     }
 }
 
@@ -247,7 +252,11 @@ pub fn ports_of<'a, V>(
     map: &'a BTreeMap<ServicePortName, V>,
     service: &'a ServiceName,
 ) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> + 'a {
-    let first = ServicePortName { service: service.clone(), port_name: String::new(), protocol: Protocol::Tcp };
+    let first = ServicePortName {
+        service: service.clone(),
+        port_name: String::new(),
+        protocol: Protocol::Tcp,
+    };
     map.range(first..).take_while(move |(k, _)| &k.service == service)
 }
 
@@ -262,7 +271,10 @@ pub struct DualSnapshot {
 
 impl Default for DualSnapshot {
     fn default() -> Self {
-        Self { v4: Snapshot::new(IpFamily::V4), v6: Snapshot::new(IpFamily::V6) }
+        Self {
+            v4: Snapshot::new(IpFamily::V4),
+            v6: Snapshot::new(IpFamily::V6),
+        }
     }
 }
 
@@ -347,9 +359,18 @@ pub fn categorize<'a>(endpoints: &'a [Endpoint], node: &NodeInfo) -> Categorized
             cluster.retain(|e| e.zone_hints.contains(zone));
         }
     }
-    let local = usable(endpoints.iter().filter(|e| e.node_name.as_deref() == Some(node.name.as_str())).collect());
+    let local = usable(
+        endpoints
+            .iter()
+            .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
+            .collect(),
+    );
     let has_any = !cluster.is_empty() || !local.is_empty();
-    Categorized { cluster, local, has_any }
+    Categorized {
+        cluster,
+        local,
+        has_any,
+    }
 }
 
 #[cfg(test)]
@@ -363,7 +384,10 @@ pub mod fixtures {
     /// The service port `namespace/name:port_name` of `protocol`.
     pub fn port_name(namespace: &str, name: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
         ServicePortName {
-            service: ServiceName { namespace: namespace.into(), name: name.into() },
+            service: ServiceName {
+                namespace: namespace.into(),
+                name: name.into(),
+            },
             port_name: port_name.into(),
             protocol,
         }
@@ -388,7 +412,15 @@ pub mod fixtures {
 
     /// A ready endpoint on `node`.
     pub fn ready(ip: impl Into<IpAddr>, port: u16, node: &str) -> Endpoint {
-        Endpoint { ip: ip.into(), port, ready: true, serving: true, terminating: false, node_name: Some(node.into()), zone_hints: vec![] }
+        Endpoint {
+            ip: ip.into(),
+            port,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(node.into()),
+            zone_hints: vec![],
+        }
     }
 
     /// The IPv6 twin of an IPv4 address: `a.b.c.d` becomes `fd00::a:b:c:d` (each octet in its own
@@ -408,7 +440,9 @@ pub mod fixtures {
     /// (octets are spelled in hex groups, so bit prefixes inside an octet have no twin).
     pub fn ipv6_twin_net(net: IpNet) -> IpNet {
         let len = 64 + 16 * (net.prefix_len() / 8);
-        IpNet::new(ipv6_twin(net.network()), len).map(|n| n.trunc()).unwrap_or(net)
+        IpNet::new(ipv6_twin(net.network()), len)
+            .map(|n| n.trunc())
+            .unwrap_or(net)
     }
 
     /// The IPv6 twin of an IPv4 snapshot: every address replaced by its [`ipv6_twin`].
@@ -419,11 +453,23 @@ pub mod fixtures {
             p.cluster_ip = ipv6_twin(p.cluster_ip);
             p.external_ips = p.external_ips.iter().copied().map(ipv6_twin).collect();
             p.load_balancer_ips = p.load_balancer_ips.iter().copied().map(ipv6_twin).collect();
-            p.load_balancer_source_ranges = p.load_balancer_source_ranges.iter().copied().map(ipv6_twin_net).collect();
+            p.load_balancer_source_ranges = p
+                .load_balancer_source_ranges
+                .iter()
+                .copied()
+                .map(ipv6_twin_net)
+                .collect();
             v6.services.insert(name.clone(), p);
         }
         for (name, eps) in &v4.endpoints {
-            let mut eps: Vec<Endpoint> = eps.iter().cloned().map(|e| Endpoint { ip: ipv6_twin(e.ip), ..e }).collect();
+            let mut eps: Vec<Endpoint> = eps
+                .iter()
+                .cloned()
+                .map(|e| Endpoint {
+                    ip: ipv6_twin(e.ip),
+                    ..e
+                })
+                .collect();
             eps.sort();
             v6.endpoints.insert(name.clone(), eps);
         }
@@ -432,7 +478,10 @@ pub mod fixtures {
 
     /// A dual-stack snapshot: `v4` and its IPv6 twin.
     pub fn with_ipv6_twin(v4: &Snapshot) -> DualSnapshot {
-        DualSnapshot { v4: v4.clone(), v6: ipv6_twin_snapshot(v4) }
+        DualSnapshot {
+            v4: v4.clone(),
+            v6: ipv6_twin_snapshot(v4),
+        }
     }
 
     /// Adds a service port and its endpoints (sorted, as the tracker keeps them) to a snapshot

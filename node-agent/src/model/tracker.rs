@@ -25,7 +25,10 @@ pub struct Tracker {
 impl Tracker {
     /// A tracker for a proxy with the given service-proxy-name (None: the default proxy).
     pub fn new(proxy_name: Option<String>) -> Self {
-        Self { proxy_name, ..Default::default() }
+        Self {
+            proxy_name,
+            ..Default::default()
+        }
     }
 
     fn mark(&mut self, name: ServiceName) {
@@ -34,7 +37,8 @@ impl Tracker {
 
     /// A Service was added or updated. Returns whether anything this proxy programs changed.
     pub fn apply_service(&mut self, svc: &Service) -> bool {
-        let (Some(namespace), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone()) else {
+        let (Some(namespace), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone())
+        else {
             return false;
         };
         let key = ServiceName { namespace, name };
@@ -54,7 +58,10 @@ impl Tracker {
 
     /// A Service was deleted.
     pub fn delete_service(&mut self, namespace: &str, name: &str) -> bool {
-        let key = ServiceName { namespace: namespace.into(), name: name.into() };
+        let key = ServiceName {
+            namespace: namespace.into(),
+            name: name.into(),
+        };
         if self.services.remove(&key).is_some() {
             self.mark(key);
             return true;
@@ -64,13 +71,20 @@ impl Tracker {
 
     /// An EndpointSlice was added or updated.
     pub fn apply_slice(&mut self, slice: &EndpointSlice) -> bool {
-        let (Some(namespace), Some(name)) = (slice.metadata.namespace.clone(), slice.metadata.name.clone()) else {
+        let (Some(namespace), Some(name)) = (slice.metadata.namespace.clone(), slice.metadata.name.clone())
+        else {
             return false;
         };
-        let Some(service) = convert::slice_service(slice) else { return false };
+        let Some(service) = convert::slice_service(slice) else {
+            return false;
+        };
         let endpoints = convert::slice_endpoints(slice);
         let key = (namespace, name);
-        if self.slices.get(&key).is_some_and(|(s, e)| *s == service && *e == endpoints) {
+        if self
+            .slices
+            .get(&key)
+            .is_some_and(|(s, e)| *s == service && *e == endpoints)
+        {
             return false;
         }
         if let Some((old_service, _)) = self.slices.insert(key, (service.clone(), endpoints)) {
@@ -130,7 +144,9 @@ impl Tracker {
 
     /// Returns and clears the changes.
     pub fn take_changes(&mut self) -> Changes {
-        Changes { services: std::mem::take(&mut self.changed) }
+        Changes {
+            services: std::mem::take(&mut self.changed),
+        }
     }
 
     /// The full current state, per family: a dual-stack Service's ports go to both snapshots, and
@@ -139,14 +155,22 @@ impl Tracker {
         let mut dual = DualSnapshot::default();
         for ports in self.services.values() {
             for port in ports {
-                dual.get_mut(port.family()).services.insert(port.name.clone(), port.clone());
+                dual.get_mut(port.family())
+                    .services
+                    .insert(port.name.clone(), port.clone());
             }
         }
         for (service, per_port) in self.slices.values() {
             for ((port_name, protocol), eps) in per_port {
-                let key = super::ServicePortName { service: service.clone(), port_name: port_name.clone(), protocol: *protocol };
+                let key = super::ServicePortName {
+                    service: service.clone(),
+                    port_name: port_name.clone(),
+                    protocol: *protocol,
+                };
                 // A slice holds one family; its endpoints sort into that family's snapshot.
-                let Some(family) = eps.first().map(|e| IpFamily::of(&e.ip)) else { continue };
+                let Some(family) = eps.first().map(|e| IpFamily::of(&e.ip)) else {
+                    continue;
+                };
                 let snap = dual.get_mut(family);
                 if snap.services.contains_key(&key) {
                     snap.endpoints.entry(key).or_default().extend(eps.iter().cloned());

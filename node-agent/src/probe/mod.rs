@@ -19,8 +19,14 @@ pub struct KernelVersion(pub u32, pub u32, pub u32);
 impl KernelVersion {
     /// Parses the leading `major.minor[.patch]` of a release such as `6.18.44-fc-v657`.
     pub fn parse(release: &str) -> Option<Self> {
-        let numeric: String = release.chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
-        let mut parts = numeric.split('.').filter(|p| !p.is_empty()).map(|p| p.parse::<u32>());
+        let numeric: String = release
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        let mut parts = numeric
+            .split('.')
+            .filter(|p| !p.is_empty())
+            .map(|p| p.parse::<u32>());
         let major = parts.next()?.ok()?;
         let minor = parts.next()?.ok()?;
         let patch = parts.next().and_then(|p| p.ok()).unwrap_or(0);
@@ -70,7 +76,8 @@ impl HostFacts {
             ipset: command_ok("ipset", &["list", "-n"]),
             conntrack: ConntrackFacts {
                 max: sys::host::sysctl_i64("net/netfilter/nf_conntrack_max"),
-                tcp_be_liberal: sys::host::sysctl_i64("net/netfilter/nf_conntrack_tcp_be_liberal").map(|v| v != 0),
+                tcp_be_liberal: sys::host::sysctl_i64("net/netfilter/nf_conntrack_tcp_be_liberal")
+                    .map(|v| v != 0),
                 tcp_established_timeout_seconds: sys::host::sysctl_i64(
                     "net/netfilter/nf_conntrack_tcp_timeout_established",
                 ),
@@ -85,19 +92,35 @@ fn iptables_rules(program: &str) -> Result<usize, String> {
     if out.success {
         Ok(out.stdout.lines().filter(|l| l.starts_with("-A ")).count())
     } else {
-        Err(format!("{program}: {}", out.stderr.lines().next().unwrap_or("failed")))
+        Err(format!(
+            "{program}: {}",
+            out.stderr.lines().next().unwrap_or("failed")
+        ))
     }
 }
 
 fn command_ok(program: &str, args: &[&str]) -> Result<(), String> {
     let out = sys::exec::run(program, args)?;
-    if out.success { Ok(()) } else { Err(format!("{program}: {}", out.stderr.lines().next().unwrap_or("failed"))) }
+    if out.success {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program}: {}",
+            out.stderr.lines().next().unwrap_or("failed")
+        ))
+    }
 }
 
 fn capability<T>(fact: &Result<T, String>, detail: impl FnOnce(&T) -> Option<String>) -> Capability {
     match fact {
-        Ok(v) => Capability { usable: true, detail: detail(v) },
-        Err(reason) => Capability { usable: false, detail: Some(reason.clone()) },
+        Ok(v) => Capability {
+            usable: true,
+            detail: detail(v),
+        },
+        Err(reason) => Capability {
+            usable: false,
+            detail: Some(reason.clone()),
+        },
     }
 }
 
@@ -117,16 +140,25 @@ pub fn iptables_variant(legacy: &Result<usize, String>, nft: &Result<usize, Stri
 pub fn decide(facts: &HostFacts) -> Capabilities {
     let kernel = KernelVersion::parse(&facts.kernel_release);
     let nftables = match (&facts.nf_tables, kernel) {
-        (Err(reason), _) => Capability { usable: false, detail: Some(reason.clone()) },
+        (Err(reason), _) => Capability {
+            usable: false,
+            detail: Some(reason.clone()),
+        },
         (Ok(()), None) => Capability {
             usable: false,
             detail: Some(format!("cannot parse kernel release {:?}", facts.kernel_release)),
         },
         (Ok(()), Some(v)) if v < NFTABLES_MIN_KERNEL => Capability {
             usable: false,
-            detail: Some(format!("kernel {}.{} is older than 5.13, which nftables mode needs", v.0, v.1)),
+            detail: Some(format!(
+                "kernel {}.{} is older than 5.13, which nftables mode needs",
+                v.0, v.1
+            )),
         },
-        (Ok(()), Some(_)) => Capability { usable: true, detail: None },
+        (Ok(()), Some(_)) => Capability {
+            usable: true,
+            detail: None,
+        },
     };
     let iptables_legacy = capability(&facts.iptables_legacy, |n| Some(format!("{n} nat rules present")));
     let iptables_nft = capability(&facts.iptables_nft, |n| Some(format!("{n} nat rules present")));
@@ -138,7 +170,10 @@ pub fn decide(facts: &HostFacts) -> Capabilities {
             .iter()
             .filter(|s| {
                 let module = format!("ip_vs_{s}");
-                facts.ipvs_modules.iter().any(|m| m == &module || m.starts_with(&format!("{module}.ko")))
+                facts
+                    .ipvs_modules
+                    .iter()
+                    .any(|m| m == &module || m.starts_with(&format!("{module}.ko")))
             })
             .map(|s| (*s).to_owned())
             .collect()

@@ -43,13 +43,25 @@ fn nftables_mode_needs_the_table_and_kernel_5_13() {
         ("5.12.19", Ok(()), false),
         ("5.4.0", Ok(()), false),
         ("10.1.0", Ok(()), true),
-        ("6.1.0", Err("create table: Operation not supported".into()), false),
+        (
+            "6.1.0",
+            Err("create table: Operation not supported".into()),
+            false,
+        ),
         ("garbage", Ok(()), false),
     ];
     for (release, table, want) in cases {
-        let caps = decide(&HostFacts { kernel_release: (*release).into(), nf_tables: table.clone(), ..facts() });
+        let caps = decide(&HostFacts {
+            kernel_release: (*release).into(),
+            nf_tables: table.clone(),
+            ..facts()
+        });
         assert_eq!(caps.nftables.usable, *want, "{release} {table:?}");
-        assert_eq!(caps.supported_modes.contains(&ProxyMode::Nftables), *want, "{release}");
+        assert_eq!(
+            caps.supported_modes.contains(&ProxyMode::Nftables),
+            *want,
+            "{release}"
+        );
         if !want {
             assert!(caps.nftables.detail.is_some(), "a refusal carries its reason");
         }
@@ -60,21 +72,34 @@ fn nftables_mode_needs_the_table_and_kernel_5_13() {
 fn ipvs_mode_needs_family_ipset_iptables_and_a_scheduler() {
     let ipvs = || HostFacts {
         ipvs_family: Ok(33),
-        ipvs_modules: vec!["ip_vs_rr.ko.xz".into(), "ip_vs_sh.ko".into(), "ip_vs_ftp.ko".into()],
+        ipvs_modules: vec![
+            "ip_vs_rr.ko.xz".into(),
+            "ip_vs_sh.ko".into(),
+            "ip_vs_ftp.ko".into(),
+        ],
         ..facts()
     };
     let caps = decide(&ipvs());
     assert!(caps.supported_modes.contains(&ProxyMode::Ipvs));
     assert_eq!(caps.ipvs_schedulers, vec!["rr", "sh"]);
 
-    let no_ipset = decide(&HostFacts { ipset: Err("ipset: not found".into()), ..ipvs() });
+    let no_ipset = decide(&HostFacts {
+        ipset: Err("ipset: not found".into()),
+        ..ipvs()
+    });
     assert!(!no_ipset.supported_modes.contains(&ProxyMode::Ipvs));
-    let no_sched = decide(&HostFacts { ipvs_modules: vec![], ..ipvs() });
+    let no_sched = decide(&HostFacts {
+        ipvs_modules: vec![],
+        ..ipvs()
+    });
     assert!(!no_sched.supported_modes.contains(&ProxyMode::Ipvs));
     let no_family = decide(&facts());
     assert!(!no_family.ipvs.usable);
     assert!(no_family.ipvs_schedulers.is_empty());
-    assert_eq!(no_family.supported_modes, vec![ProxyMode::Iptables, ProxyMode::Nftables]);
+    assert_eq!(
+        no_family.supported_modes,
+        vec![ProxyMode::Iptables, ProxyMode::Nftables]
+    );
 }
 
 #[test]
@@ -93,6 +118,10 @@ fn iptables_variant_follows_existing_rules_then_prefers_legacy() {
     for (legacy, nft, want) in cases {
         assert_eq!(iptables_variant(legacy, nft), *want, "{legacy:?} {nft:?}");
     }
-    let none = decide(&HostFacts { iptables_legacy: err(), iptables_nft: err(), ..facts() });
+    let none = decide(&HostFacts {
+        iptables_legacy: err(),
+        iptables_nft: err(),
+        ..facts()
+    });
     assert!(!none.supported_modes.contains(&ProxyMode::Iptables));
 }

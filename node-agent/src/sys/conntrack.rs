@@ -4,7 +4,6 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-
 use super::{
     genl::find_attr,
     netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Transport},
@@ -39,7 +38,6 @@ const DELETES_PER_REQUEST: usize = 256;
 fn kind(msg: u16) -> u16 {
     (NFNL_SUBSYS_CTNETLINK << 8) | msg
 }
-
 
 fn address(tuple: &[u8], v4: u16, v6: u16) -> Option<IpAddr> {
     let ip = find_attr(tuple, CTA_TUPLE_IP)?;
@@ -89,31 +87,48 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
             dump_error.get_or_insert(errno);
             return;
         }
-        let Some((flow, orig)) = parse_entry(&reply.payload) else { return };
+        let Some((flow, orig)) = parse_entry(&reply.payload) else {
+            return;
+        };
         if !cleanup.is_stale(&flow) {
             return;
         }
         let seq = deletes.len() as u32 + 1;
-        let mut msg = MessageBuilder::new(kind(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK, seq, &header)
-            .attr(CTA_TUPLE_ORIG | NLA_F_NESTED, orig);
+        let mut msg = MessageBuilder::new(
+            kind(IPCTNL_MSG_CT_DELETE),
+            NLM_F_REQUEST | NLM_F_ACK,
+            seq,
+            &header,
+        )
+        .attr(CTA_TUPLE_ORIG | NLA_F_NESTED, orig);
         if let Some(zone) = reply.payload.get(4..).and_then(|a| find_attr(a, CTA_ZONE)) {
             msg = msg.attr(CTA_ZONE, zone);
         }
         deletes.push(msg.finish());
     })?;
     if let Some(errno) = dump_error {
-        return Err(crate::Error::Netlink { op: "dump conntrack", source: std::io::Error::from_raw_os_error(-errno) });
+        return Err(crate::Error::Netlink {
+            op: "dump conntrack",
+            source: std::io::Error::from_raw_os_error(-errno),
+        });
     }
     // Each failing delete is answered with its whole request: room for a chunk of them.
     transport.size_buffers(64 << 10, 4 << 20)?;
     let mut deleted = 0;
     for chunk in deletes.chunks(DELETES_PER_REQUEST) {
-        let seqs: Vec<u32> = chunk.iter().map(|m| u32::from_ne_bytes([m[8], m[9], m[10], m[11]])).collect();
+        let seqs: Vec<u32> = chunk
+            .iter()
+            .map(|m| u32::from_ne_bytes([m[8], m[9], m[10], m[11]]))
+            .collect();
         let answers = transport.request(&chunk.concat(), &seqs)?;
         deleted += answers.iter().filter(|r| r.error == Some(0)).count();
         // ENOENT: the entry expired or was deleted between the dump and the delete.
         let gone = -(nix::errno::Errno::ENOENT as i32);
-        if let Some(errno) = answers.iter().filter_map(|r| r.error).find(|e| *e != 0 && *e != gone) {
+        if let Some(errno) = answers
+            .iter()
+            .filter_map(|r| r.error)
+            .find(|e| *e != 0 && *e != gone)
+        {
             return Err(crate::Error::Netlink {
                 op: "delete conntrack entry",
                 source: std::io::Error::from_raw_os_error(-errno),
@@ -141,29 +156,61 @@ mod tests {
 
     fn tuple(src: IpAddr, sport: u16, dst: IpAddr, dport: u16) -> Vec<u8> {
         let ip = match (src, dst) {
-            (IpAddr::V4(s), IpAddr::V4(d)) => [attr(CTA_IP_V4_SRC, &s.octets()), attr(CTA_IP_V4_DST, &d.octets())].concat(),
-            (IpAddr::V6(s), IpAddr::V6(d)) => [attr(CTA_IP_V6_SRC, &s.octets()), attr(CTA_IP_V6_DST, &d.octets())].concat(),
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                [attr(CTA_IP_V4_SRC, &s.octets()), attr(CTA_IP_V4_DST, &d.octets())].concat()
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                [attr(CTA_IP_V6_SRC, &s.octets()), attr(CTA_IP_V6_DST, &d.octets())].concat()
+            }
             _ => panic!("one family per tuple"),
         };
-        let proto = [attr(CTA_PROTO_NUM, &[17]), attr(CTA_PROTO_SRC_PORT, &sport.to_be_bytes()), attr(CTA_PROTO_DST_PORT, &dport.to_be_bytes())].concat();
+        let proto = [
+            attr(CTA_PROTO_NUM, &[17]),
+            attr(CTA_PROTO_SRC_PORT, &sport.to_be_bytes()),
+            attr(CTA_PROTO_DST_PORT, &dport.to_be_bytes()),
+        ]
+        .concat();
         [nest(CTA_TUPLE_IP, &ip), nest(CTA_TUPLE_PROTO, &proto)].concat()
     }
 
     #[test]
     fn parses_the_original_destination_and_the_reply_source_in_both_families() {
         // A DNATed UDP flow: client -> service:53, answered by endpoint:5353.
-        let cases: [[&str; 3]; 2] =
-            [["10.244.1.12", "10.96.0.10", "10.244.2.11"], ["fd00:10:244:1::12", "fd00:10:96::10", "fd00:10:244:2::11"]];
+        let cases: [[&str; 3]; 2] = [
+            ["10.244.1.12", "10.96.0.10", "10.244.2.11"],
+            ["fd00:10:244:1::12", "fd00:10:96::10", "fd00:10:244:2::11"],
+        ];
         for [client, service, endpoint] in cases {
-            let (client, service, endpoint): (IpAddr, IpAddr, IpAddr) =
-                (client.parse().expect("ip"), service.parse().expect("ip"), endpoint.parse().expect("ip"));
+            let (client, service, endpoint): (IpAddr, IpAddr, IpAddr) = (
+                client.parse().expect("ip"),
+                service.parse().expect("ip"),
+                endpoint.parse().expect("ip"),
+            );
             let orig = tuple(client, 40000, service, 53);
             let reply = tuple(endpoint, 5353, client, 40000);
-            let payload = [vec![2, 0, 0, 0], nest(CTA_TUPLE_ORIG, &orig), nest(CTA_TUPLE_REPLY, &reply)].concat();
+            let payload = [
+                vec![2, 0, 0, 0],
+                nest(CTA_TUPLE_ORIG, &orig),
+                nest(CTA_TUPLE_REPLY, &reply),
+            ]
+            .concat();
             let (flow, raw) = parse_entry(&payload).expect("entry");
-            assert_eq!(flow, Flow { protocol: 17, orig_dst: service, orig_dport: 53, reply_src: endpoint, reply_sport: 5353 });
+            assert_eq!(
+                flow,
+                Flow {
+                    protocol: 17,
+                    orig_dst: service,
+                    orig_dport: 53,
+                    reply_src: endpoint,
+                    reply_sport: 5353
+                }
+            );
             assert_eq!(raw, orig.as_slice());
-            assert_eq!(parse_entry(&payload[..8]), None, "truncated input is skipped, not a panic");
+            assert_eq!(
+                parse_entry(&payload[..8]),
+                None,
+                "truncated input is skipped, not a panic"
+            );
         }
     }
 }

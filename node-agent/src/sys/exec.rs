@@ -24,7 +24,11 @@ pub struct Output {
 pub fn run_with_input(program: &str, args: &[&str], stdin: Option<&str>) -> std::io::Result<Output> {
     let mut child = Command::new(program)
         .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;

@@ -13,9 +13,14 @@ const NETLINK_GENERIC: isize = 16;
 /// does not know it.
 pub fn resolve_family(name: &str) -> Result<std::result::Result<u16, String>> {
     let transport = Transport::open(NETLINK_GENERIC)?;
-    let request = MessageBuilder::new(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, 1, &[CTRL_CMD_GETFAMILY, 1, 0, 0])
-        .attr_str(CTRL_ATTR_FAMILY_NAME, name)
-        .finish();
+    let request = MessageBuilder::new(
+        GENL_ID_CTRL,
+        NLM_F_REQUEST | NLM_F_ACK,
+        1,
+        &[CTRL_CMD_GETFAMILY, 1, 0, 0],
+    )
+    .attr_str(CTRL_ATTR_FAMILY_NAME, name)
+    .finish();
     let replies = transport.request(&request, &[1])?;
     if let Some(errno) = replies.iter().find_map(|r| r.error.filter(|e| *e != 0)) {
         return Ok(Err(format!(

@@ -4,12 +4,18 @@ use std::path::Path;
 
 /// Kernel release, as `uname -r` prints it.
 pub fn kernel_release() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned())
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .ok()
+        .map(|s| s.trim().to_owned())
 }
 
 /// Reads an integer sysctl under `/proc/sys/` (per network namespace for `net/...`).
 pub fn sysctl_i64(path: &str) -> Option<i64> {
-    std::fs::read_to_string(Path::new("/proc/sys").join(path)).ok()?.trim().parse().ok()
+    std::fs::read_to_string(Path::new("/proc/sys").join(path))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Names of IPVS schedulers the kernel has loaded or could load: `ip_vs_<name>` modules shipped
@@ -18,14 +24,23 @@ pub fn ipvs_scheduler_modules(release: &str) -> Vec<String> {
     let mut names = Vec::new();
     let base = Path::new("/lib/modules").join(release);
     if let Ok(dir) = std::fs::read_dir(base.join("kernel/net/netfilter/ipvs")) {
-        names.extend(dir.flatten().filter_map(|e| e.file_name().to_str().map(str::to_owned)));
+        names.extend(
+            dir.flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned)),
+        );
     }
     for list in ["modules.builtin", "/proc/modules"] {
-        let path = if list.starts_with('/') { Path::new(list).to_path_buf() } else { base.join(list) };
+        let path = if list.starts_with('/') {
+            Path::new(list).to_path_buf()
+        } else {
+            base.join(list)
+        };
         if let Ok(text) = std::fs::read_to_string(path) {
-            names.extend(text.lines().filter_map(|l| l.split_whitespace().next()).map(|s| {
-                s.rsplit('/').next().unwrap_or(s).to_owned()
-            }));
+            names.extend(
+                text.lines()
+                    .filter_map(|l| l.split_whitespace().next())
+                    .map(|s| s.rsplit('/').next().unwrap_or(s).to_owned()),
+            );
         }
     }
     names

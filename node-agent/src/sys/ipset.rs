@@ -6,7 +6,6 @@
 //! that is then swapped in (`swap`) and destroyed, so packets always see either the old or the
 //! new contents.
 
-
 /// Prefix of every set the agent owns.
 pub const SET_PREFIX: &str = "SWY-";
 /// The kernel's limit on set names (`IPSET_MAXNAMELEN` - 1).

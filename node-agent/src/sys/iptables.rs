@@ -138,7 +138,11 @@ pub struct Iptables {
 impl Iptables {
     /// IPv4 tools of `variant`; with `netns`, every command runs as `ip netns exec NETNS ...`.
     pub fn new(variant: Variant, netns: Option<String>) -> Self {
-        Self { variant, netns, family: IpFamily::V4 }
+        Self {
+            variant,
+            netns,
+            family: IpFamily::V4,
+        }
     }
 
     /// The same tools for `family` (`ip6tables*` for IPv6).
@@ -158,7 +162,9 @@ impl Iptables {
         let binary = self.variant.binary(tool);
         match self.family {
             IpFamily::V4 => binary,
-            IpFamily::V6 => binary.strip_prefix("ip").map_or(binary.clone(), |rest| format!("ip6{rest}")),
+            IpFamily::V6 => binary
+                .strip_prefix("ip")
+                .map_or(binary.clone(), |rest| format!("ip6{rest}")),
         }
     }
 
@@ -200,7 +206,11 @@ impl Iptables {
             reason: e.to_string(),
         };
         let out = super::exec::run_with_input(program, rest, stdin).map_err(spawn_err)?;
-        let finished = Finished { status: out.code, stdout: out.stdout, stderr: out.stderr };
+        let finished = Finished {
+            status: out.code,
+            stdout: out.stdout,
+            stderr: out.stderr,
+        };
         Ok((command_line, finished))
     }
 

@@ -98,7 +98,12 @@ pub fn parse_replies(mut data: &[u8]) -> Vec<Reply> {
         let payload = data[NLMSG_HDRLEN..len].to_vec();
         let error = (kind == NLMSG_ERROR && payload.len() >= 4)
             .then(|| i32::from_ne_bytes([payload[0], payload[1], payload[2], payload[3]]));
-        out.push(Reply { kind, seq, error, payload });
+        out.push(Reply {
+            kind,
+            seq,
+            error,
+            payload,
+        });
         data = &data[align4(len).min(data.len())..];
     }
     out
@@ -118,14 +123,21 @@ impl std::fmt::Debug for Transport {
 impl Transport {
     /// Opens a socket of `protocol` (e.g. `NETLINK_NETFILTER`).
     pub fn open(protocol: isize) -> Result<Self> {
-        let io = |source| Error::Netlink { op: "open socket", source };
+        let io = |source| Error::Netlink {
+            op: "open socket",
+            source,
+        };
         let mut socket = Socket::new(protocol).map_err(io)?;
         socket.bind_auto().map_err(io)?;
         socket.connect(&SocketAddr::new(0, 0)).map_err(io)?;
         // Never wait forever on the kernel: a missing answer becomes an error.
         let timeout = nix::sys::time::TimeVal::new(30, 0);
-        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)
-            .map_err(|e| Error::Netlink { op: "set receive timeout", source: std::io::Error::from(e) })?;
+        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReceiveTimeout, &timeout).map_err(
+            |e| Error::Netlink {
+                op: "set receive timeout",
+                source: std::io::Error::from(e),
+            },
+        )?;
         Ok(Self { socket })
     }
 
@@ -133,10 +145,16 @@ impl Transport {
     /// acks, so a large transaction fits one send and its acks fit the receive queue.
     pub fn size_buffers(&self, send: usize, receive: usize) -> Result<()> {
         use nix::sys::socket::{setsockopt, sockopt};
-        let io = |e: nix::Error| Error::Netlink { op: "set buffer size", source: std::io::Error::from(e) };
+        let io = |e: nix::Error| Error::Netlink {
+            op: "set buffer size",
+            source: std::io::Error::from(e),
+        };
         setsockopt(&self.socket, sockopt::SndBufForce, &send).map_err(io)?;
         setsockopt(&self.socket, sockopt::RcvBufForce, &receive).map_err(io)?;
-        self.socket.set_cap_ack(true).map_err(|source| Error::Netlink { op: "set cap_ack", source })?;
+        self.socket.set_cap_ack(true).map_err(|source| Error::Netlink {
+            op: "set cap_ack",
+            source,
+        })?;
         Ok(())
     }
 
@@ -154,13 +172,16 @@ impl Transport {
             .send(request, 0)
             .map_err(|source| Error::Netlink { op: "send", source })?;
         for _ in 0..1_000_000 {
-            let (data, _) = self
-                .socket
-                .recv_from_full()
-                .map_err(|source| Error::Netlink { op: "receive", source })?;
+            let (data, _) = self.socket.recv_from_full().map_err(|source| Error::Netlink {
+                op: "receive",
+                source,
+            })?;
             let batch = parse_replies(&data);
             let done = batch.is_empty() || batch.iter().any(|r| r.kind == NLMSG_DONE || r.error.is_some());
-            batch.into_iter().filter(|r| r.kind != NLMSG_DONE).for_each(&mut each);
+            batch
+                .into_iter()
+                .filter(|r| r.kind != NLMSG_DONE)
+                .for_each(&mut each);
             if done {
                 break;
             }
@@ -181,10 +202,10 @@ impl Transport {
             if pending.is_empty() {
                 break;
             }
-            let (data, _) = self
-                .socket
-                .recv_from_full()
-                .map_err(|source| Error::Netlink { op: "receive", source })?;
+            let (data, _) = self.socket.recv_from_full().map_err(|source| Error::Netlink {
+                op: "receive",
+                source,
+            })?;
             for reply in parse_replies(&data) {
                 let done = reply.kind == NLMSG_DONE;
                 // A refusal of a message we do not await (e.g. a batch header the kernel does not

@@ -29,11 +29,25 @@ fn nft_kind(msg: u16) -> u16 {
 
 /// Wraps `messages` (already carrying sequence numbers `1..`) in a batch begin/end pair.
 fn batch(messages: Vec<Vec<u8>>, last_seq: u32) -> Vec<u8> {
-    let mut out = MessageBuilder::new(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, &nfgenmsg(0, NFNL_SUBSYS_NFTABLES)).finish();
+    let mut out = MessageBuilder::new(
+        NFNL_MSG_BATCH_BEGIN,
+        NLM_F_REQUEST,
+        0,
+        &nfgenmsg(0, NFNL_SUBSYS_NFTABLES),
+    )
+    .finish();
     for m in messages {
         out.extend_from_slice(&m);
     }
-    out.extend(MessageBuilder::new(NFNL_MSG_BATCH_END, NLM_F_REQUEST, last_seq + 1, &nfgenmsg(0, NFNL_SUBSYS_NFTABLES)).finish());
+    out.extend(
+        MessageBuilder::new(
+            NFNL_MSG_BATCH_END,
+            NLM_F_REQUEST,
+            last_seq + 1,
+            &nfgenmsg(0, NFNL_SUBSYS_NFTABLES),
+        )
+        .finish(),
+    );
     out
 }
 
@@ -41,16 +55,26 @@ fn batch(messages: Vec<Vec<u8>>, last_seq: u32) -> Vec<u8> {
 /// `Ok(None)` when the kernel accepted both, `Ok(Some(reason))` when it refused.
 pub fn try_throwaway_table(name: &str) -> Result<Option<String>> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let create = MessageBuilder::new(nft_kind(NFT_MSG_NEWTABLE), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE, 1, &nfgenmsg(NFPROTO_INET, 0))
-        .attr_str(NFTA_TABLE_NAME, name)
-        .attr_u32_be(NFTA_TABLE_FLAGS, NFT_TABLE_F_DORMANT)
-        .finish();
+    let create = MessageBuilder::new(
+        nft_kind(NFT_MSG_NEWTABLE),
+        NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE,
+        1,
+        &nfgenmsg(NFPROTO_INET, 0),
+    )
+    .attr_str(NFTA_TABLE_NAME, name)
+    .attr_u32_be(NFTA_TABLE_FLAGS, NFT_TABLE_F_DORMANT)
+    .finish();
     if let Some(reason) = first_error(&transport, batch(vec![create], 1), 1, "create table")? {
         return Ok(Some(reason));
     }
-    let delete = MessageBuilder::new(nft_kind(NFT_MSG_DELTABLE), NLM_F_REQUEST | NLM_F_ACK, 1, &nfgenmsg(NFPROTO_INET, 0))
-        .attr_str(NFTA_TABLE_NAME, name)
-        .finish();
+    let delete = MessageBuilder::new(
+        nft_kind(NFT_MSG_DELTABLE),
+        NLM_F_REQUEST | NLM_F_ACK,
+        1,
+        &nfgenmsg(NFPROTO_INET, 0),
+    )
+    .attr_str(NFTA_TABLE_NAME, name)
+    .finish();
     first_error(&transport, batch(vec![delete], 1), 1, "delete table")
 }
 
@@ -79,7 +103,10 @@ pub struct Session {
 
 impl Session {
     /// Like [`apply`], on this session's socket.
-    pub fn apply(&mut self, batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
+    pub fn apply(
+        &mut self,
+        batch: crate::backend::nftables::encode::Batch,
+    ) -> Result<std::result::Result<(), String>> {
         if batch.is_empty() {
             return Ok(Ok(()));
         }
@@ -96,7 +123,10 @@ impl Session {
     }
 }
 
-fn send_batch(transport: &Transport, batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
+fn send_batch(
+    transport: &Transport,
+    batch: crate::backend::nftables::encode::Batch,
+) -> Result<std::result::Result<(), String>> {
     let (bytes, acks) = batch.finish();
     transport.size_buffers(bytes.len() + 4096, 4 << 20)?;
     let replies = transport.request(&bytes, &acks)?;
@@ -113,36 +143,62 @@ fn send_batch(transport: &Transport, batch: crate::backend::nftables::encode::Ba
 
 /// Names of objects in our table of `family` from a dump (`GETCHAIN` or `GETSET`); empty if the
 /// table is absent.
-pub fn list(family: crate::model::IpFamily, msg: crate::backend::nftables::encode::Msg) -> Result<Vec<String>> {
+pub fn list(
+    family: crate::model::IpFamily,
+    msg: crate::backend::nftables::encode::Msg,
+) -> Result<Vec<String>> {
     use crate::backend::nftables::encode;
     let transport = Transport::open(NETLINK_NETFILTER)?;
     let replies = transport.dump(&encode::dump_request(family, msg, 1))?;
-    let parse = if msg == encode::Msg::GetSet { encode::set_name } else { encode::chain_name };
-    Ok(replies.iter().filter(|r| r.error.is_none()).filter_map(|r| parse(&r.payload)).collect())
+    let parse = if msg == encode::Msg::GetSet {
+        encode::set_name
+    } else {
+        encode::chain_name
+    };
+    Ok(replies
+        .iter()
+        .filter(|r| r.error.is_none())
+        .filter_map(|r| parse(&r.payload))
+        .collect())
 }
 
 /// Whether our table of `family` exists.
 pub fn table_exists(family: crate::model::IpFamily) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let replies = transport.request(&crate::backend::nftables::encode::get_table_request(family, 1), &[1])?;
+    let replies = transport.request(
+        &crate::backend::nftables::encode::get_table_request(family, 1),
+        &[1],
+    )?;
     Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
 }
-
 
 /// Deletes another component's table `name` in `family` (used only to take over from
 /// kube-proxy). Returns whether it existed.
 pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let get = MessageBuilder::new(nft_kind(1 /* NFT_MSG_GETTABLE */), NLM_F_REQUEST | NLM_F_ACK, 1, &nfgenmsg(family, 0))
-        .attr_str(NFTA_TABLE_NAME, name)
-        .finish();
-    let exists = !transport.request(&get, &[1])?.iter().any(|r| r.error.is_some_and(|e| e != 0));
+    let get = MessageBuilder::new(
+        nft_kind(1 /* NFT_MSG_GETTABLE */),
+        NLM_F_REQUEST | NLM_F_ACK,
+        1,
+        &nfgenmsg(family, 0),
+    )
+    .attr_str(NFTA_TABLE_NAME, name)
+    .finish();
+    let exists = !transport
+        .request(&get, &[1])?
+        .iter()
+        .any(|r| r.error.is_some_and(|e| e != 0));
     if !exists {
         return Ok(false);
     }
-    let delete = MessageBuilder::new(nft_kind(NFT_MSG_DELTABLE), NLM_F_REQUEST | NLM_F_ACK, 1, &nfgenmsg(family, 0))
-        .attr_str(NFTA_TABLE_NAME, name)
-        .finish();
+    let delete = MessageBuilder::new(
+        nft_kind(NFT_MSG_DELTABLE),
+        NLM_F_REQUEST | NLM_F_ACK,
+        1,
+        &nfgenmsg(family, 0),
+    )
+    .attr_str(NFTA_TABLE_NAME, name)
+    .finish();
     match first_error(&transport, batch(vec![delete], 1), 1, "delete table")? {
         None => Ok(true),
         Some(reason) => Err(crate::Error::Config(reason)),

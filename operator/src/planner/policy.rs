@@ -239,7 +239,9 @@ enum Hold {
     None,
     SpecPaused,
     Budget,
-    Approval { stale: Option<String> },
+    Approval {
+        stale: Option<String>,
+    },
     Window(String),
     /// A manual rollback of this generation was requested.
     Rollback,

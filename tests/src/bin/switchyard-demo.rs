@@ -15,7 +15,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kube::{Api, api::{Patch, PatchParams}};
+use kube::{
+    Api,
+    api::{Patch, PatchParams},
+};
 use serde_json::json;
 use switchyard_crds::v1alpha1::{NodeProxy, ProxyPolicy};
 use switchyard_e2e::{
@@ -60,7 +63,19 @@ fn client(netns: &str) -> Result<Counter> {
     let mut child = Command::new("ip")
         .args(["netns", "exec", netns])
         .arg(bin)
-        .args(["client", "--target", "10.96.0.100:80", "--proto", "tcp", "--count", "100000", "--timeout-ms", "1000", "--interval-ms", "50"])
+        .args([
+            "client",
+            "--target",
+            "10.96.0.100:80",
+            "--proto",
+            "tcp",
+            "--count",
+            "100000",
+            "--timeout-ms",
+            "1000",
+            "--interval-ms",
+            "50",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -79,24 +94,63 @@ fn client(netns: &str) -> Result<Counter> {
 }
 
 async fn run() -> Result<()> {
-    println!("starting etcd + kube-apiserver, installing CRDs and RBAC, creating {} namespace nodes ...", POOLS.len());
+    println!(
+        "starting etcd + kube-apiserver, installing CRDs and RBAC, creating {} namespace nodes ...",
+        POOLS.len()
+    );
     let mut env = TestEnv::start(POOLS.len(), 2).await?;
     let admin = env.cp.admin_client().await?;
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(admin.clone());
     for (node, pool) in env.cluster.nodes.iter().zip(POOLS) {
-        nodes.patch(&node.name, &PatchParams::default(), &Patch::Merge(&json!({"metadata": {"labels": {"pool": pool}}}))).await?;
+        nodes
+            .patch(
+                &node.name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"metadata": {"labels": {"pool": pool}}})),
+            )
+            .await?;
     }
-    let _servers: Vec<_> = env.cluster.nodes.iter().map(|n| start_server(&n.pods[0], &[8080], &[])).collect::<Result<_>>()?;
-    apply_service(&admin, "web", json!({"clusterIP": "10.96.0.100", "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}), None).await?;
-    let eps: Vec<Ep> = env.cluster.nodes.iter().map(|n| Ep::ready(n.pods[0].ip, &n.name)).collect();
+    let _servers: Vec<_> = env
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| start_server(&n.pods[0], &[8080], &[]))
+        .collect::<Result<_>>()?;
+    apply_service(
+        &admin,
+        "web",
+        json!({"clusterIP": "10.96.0.100", "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+        None,
+    )
+    .await?;
+    let eps: Vec<Ep> = env
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| Ep::ready(n.pods[0].ip, &n.name))
+        .collect();
     apply_slice(&admin, "web", &[("http", 8080, "TCP")], &eps).await?;
-    env.start_agents(&["--mode", "iptables", "--cluster-cidr", "10.244.0.0/16", "--min-sync-period", "0.2"]).await?;
+    env.start_agents(&[
+        "--mode",
+        "iptables",
+        "--cluster-cidr",
+        "10.244.0.0/16",
+        "--min-sync-period",
+        "0.2",
+    ])
+    .await?;
     let _operator = Operator::start(&env.cp, "demo", &[]).await?;
     // Let the agents program iptables before the traffic starts.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let counters: Vec<Counter> = env.cluster.nodes.iter().map(|n| client(&n.pods[1].netns)).collect::<Result<_>>()?;
+    let counters: Vec<Counter> = env
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| client(&n.pods[1].netns))
+        .collect::<Result<_>>()?;
     let sample = binaries::workspace_root().join("config/samples/demo-rollout.yaml");
-    env.cp.kubectl_ok(&["apply", "-f", &sample.display().to_string()], None)?;
+    env.cp
+        .kubectl_ok(&["apply", "-f", &sample.display().to_string()], None)?;
     println!("applied {}", sample.display());
 
     let policies: Api<ProxyPolicy> = Api::all(admin.clone());
@@ -108,7 +162,11 @@ async fn run() -> Result<()> {
     loop {
         let p = policies.get(POLICY).await?;
         let status = p.status.clone().unwrap_or_default();
-        let waves: Vec<String> = status.waves.iter().map(|w| format!("{}[{}]={:?}", w.name, w.nodes.join(","), w.state)).collect();
+        let waves: Vec<String> = status
+            .waves
+            .iter()
+            .map(|w| format!("{}[{}]={:?}", w.name, w.nodes.join(","), w.state))
+            .collect();
         let mut lines = vec![format!(
             "t={:>4.0}s  policy {POLICY}: {:?}  nodes {} updated {} healthy {}  waves: {}",
             started.elapsed().as_secs_f64(),
@@ -127,27 +185,47 @@ async fn run() -> Result<()> {
                 n.name,
                 POOLS[lines.len() - 1],
                 desired.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
-                st.active_mode.map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
+                st.active_mode
+                    .map(|m| m.to_string())
+                    .unwrap_or_else(|| "-".into()),
                 st.phase.map(|p| format!("{p:?}")).unwrap_or_else(|| "-".into()),
                 c.ok.load(Ordering::Relaxed),
                 c.failed.load(Ordering::Relaxed),
             ));
         }
         println!("{}\n", lines.join("\n"));
-        let ready = status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
             && status.observed_generation == p.metadata.generation;
         if ready && done_at.is_none() {
             done_at = Some(Instant::now());
             println!("rollout complete in {:.0}s.", started.elapsed().as_secs_f64());
             println!("{}", env.cp.kubectl_ok(&["get", "proxypolicies"], None)?);
-            println!("{}", env.cp.kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)?);
+            println!(
+                "{}",
+                env.cp.kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)?
+            );
             println!("Traffic keeps running. In another shell:");
             let (k, kc) = (env.cp.bin.join("kubectl"), env.cp.admin_kubeconfig());
-            println!("  {} --kubeconfig {} get proxypolicies,nodeproxies -o wide", k.display(), kc.display());
-            println!("  {} --kubeconfig {} describe proxypolicy {POLICY}", k.display(), kc.display());
+            println!(
+                "  {} --kubeconfig {} get proxypolicies,nodeproxies -o wide",
+                k.display(),
+                kc.display()
+            );
+            println!(
+                "  {} --kubeconfig {} describe proxypolicy {POLICY}",
+                k.display(),
+                kc.display()
+            );
             println!("Press Ctrl-C to stop and clean up.");
         }
-        let pause = if done_at.is_some() { Duration::from_secs(30) } else { Duration::from_secs(2) };
+        let pause = if done_at.is_some() {
+            Duration::from_secs(30)
+        } else {
+            Duration::from_secs(2)
+        };
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             _ = tokio::signal::ctrl_c() => break,

@@ -22,11 +22,16 @@ use std::{
 };
 
 fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn ports(list: Option<String>) -> Vec<u16> {
-    list.unwrap_or_default().split(',').filter_map(|p| p.trim().parse().ok()).collect()
+    list.unwrap_or_default()
+        .split(',')
+        .filter_map(|p| p.trim().parse().ok())
+        .collect()
 }
 
 /// How a peer is printed: IPv4 peers of a dual-stack socket arrive IPv4-mapped (`::ffff:a.b.c.d`)
@@ -101,7 +106,11 @@ fn serve(args: &[String]) {
 fn attempt(target: SocketAddr, udp: bool, timeout: Duration) -> String {
     let mut buf = [0u8; 256];
     let result = if udp {
-        let local = if target.is_ipv4() { SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)) } else { SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)) };
+        let local = if target.is_ipv4() {
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0))
+        } else {
+            SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0))
+        };
         UdpSocket::bind(local).and_then(|s| {
             s.set_read_timeout(Some(timeout))?;
             s.connect(target)?;
@@ -133,9 +142,20 @@ fn client(args: &[String]) {
         std::process::exit(2);
     };
     let udp = arg(args, "--proto").as_deref() == Some("udp");
-    let count: u32 = arg(args, "--count").and_then(|c| c.parse().ok()).unwrap_or(1).min(100_000);
-    let timeout = Duration::from_millis(arg(args, "--timeout-ms").and_then(|t| t.parse().ok()).unwrap_or(1000));
-    let interval = Duration::from_millis(arg(args, "--interval-ms").and_then(|t| t.parse().ok()).unwrap_or(0));
+    let count: u32 = arg(args, "--count")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(1)
+        .min(100_000);
+    let timeout = Duration::from_millis(
+        arg(args, "--timeout-ms")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(1000),
+    );
+    let interval = Duration::from_millis(
+        arg(args, "--interval-ms")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0),
+    );
     let mut out = std::io::stdout().lock();
     for _ in 0..count {
         let _ = writeln!(out, "{}", attempt(target, udp, timeout));
@@ -178,7 +198,9 @@ fn main() {
         Some("client") => client(&args),
         Some("http") => http(&args),
         _ => {
-            eprintln!("usage: swy-echo serve --name N --tcp P --udp P | client --target IP:PORT --proto tcp|udp --count N");
+            eprintln!(
+                "usage: swy-echo serve --name N --tcp P --udp P | client --target IP:PORT --proto tcp|udp --count N"
+            );
             std::process::exit(2);
         }
     }

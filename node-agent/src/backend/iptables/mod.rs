@@ -115,7 +115,11 @@ pub const JUMP_RULES: [JumpRule; 12] = {
 impl From<IptablesError> for BackendError {
     fn from(e: IptablesError) -> Self {
         if matches!(e, IptablesError::Spawn { .. }) {
-            return BackendError::ToolMissing { backend: BACKEND, command: e.command().to_owned(), detail: e.detail() };
+            return BackendError::ToolMissing {
+                backend: BACKEND,
+                command: e.command().to_owned(),
+                detail: e.detail(),
+            };
         }
         BackendError::Command {
             backend: BACKEND,
@@ -168,7 +172,12 @@ impl IptablesBackend {
             needs_full: true,
             results: FamilyResults::default(),
         };
-        Self { variant, settings, families: IpFamily::ALL.map(tables), bypassed: false }
+        Self {
+            variant,
+            settings,
+            families: IpFamily::ALL.map(tables),
+            bypassed: false,
+        }
     }
 
     /// A backend for the variant named `"legacy"` or `"nft"`.
@@ -201,16 +210,31 @@ fn jump_edits(bypassed: bool, filter_save: &str, nat_save: &str) -> (Vec<String>
     {
         let (mut filter, mut nat) = (Vec::new(), Vec::new());
         for rule in JUMP_RULES.iter().rev() {
-            let save = if rule.table == Table::Filter { filter_save } else { nat_save };
+            let save = if rule.table == Table::Filter {
+                filter_save
+            } else {
+                nat_save
+            };
             let present = save.lines().any(|l| l == rule.save_line());
             let prefix = format!("-A {} ", rule.chain);
             let line = match (bypassed, present) {
-                (true, true) => Some(rule.save_line().replacen(&prefix, &format!("-D {} ", rule.chain), 1)),
-                (false, false) => Some(rule.save_line().replacen(&prefix, &format!("-I {} 1 ", rule.chain), 1)),
+                (true, true) => Some(
+                    rule.save_line()
+                        .replacen(&prefix, &format!("-D {} ", rule.chain), 1),
+                ),
+                (false, false) => Some(rule.save_line().replacen(
+                    &prefix,
+                    &format!("-I {} 1 ", rule.chain),
+                    1,
+                )),
                 _ => None,
             };
             if let Some(line) = line {
-                if rule.table == Table::Filter { filter.push(line) } else { nat.push(line) }
+                if rule.table == Table::Filter {
+                    filter.push(line)
+                } else {
+                    nat.push(line)
+                }
             }
         }
         (filter, nat)
@@ -234,10 +258,19 @@ impl FamilyTables {
             let jumps = jump_edits(bypassed, &filter_save, &nat_save);
             (own_chains(&filter_save), own_chains(&nat_save), jumps)
         } else {
-            (self.filter_chains.clone(), self.nat_chains.clone(), (Vec::new(), Vec::new()))
+            (
+                self.filter_chains.clone(),
+                self.nat_chains.clone(),
+                (Vec::new(), Vec::new()),
+            )
         };
         let in_snapshot = |s: &ServiceName| ports_of(&snapshot.services, s).next().is_some();
-        if !full && !changes.services.iter().any(|s| in_snapshot(s) || self.services.contains(s)) {
+        if !full
+            && !changes
+                .services
+                .iter()
+                .any(|s| in_snapshot(s) || self.services.contains(s))
+        {
             // Nothing of this family changed (e.g. an IPv4-only Service, seen from ip6tables).
             return Ok(SyncStats::default());
         }
@@ -267,7 +300,8 @@ impl FamilyTables {
             },
             other => other.into(),
         })?;
-        let objects = rendered.objects() + stale_filter.len() + stale_nat.len() + jumps.0.len() + jumps.1.len();
+        let objects =
+            rendered.objects() + stale_filter.len() + stale_nat.len() + jumps.0.len() + jumps.1.len();
         self.filter_chains = rendered.filter_chains.clone();
         self.nat_chains = rendered.nat_chains.clone();
         if full {
@@ -303,7 +337,14 @@ pub fn own_chains(save: &str) -> BTreeSet<String> {
 }
 
 impl FamilyTables {
-    fn sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+    fn sync(
+        &mut self,
+        settings: &Settings,
+        bypassed: bool,
+        snapshot: &Snapshot,
+        changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError> {
         let full = full || self.needs_full;
         let result = self.sync_inner(settings, bypassed, snapshot, changes, full);
         self.needs_full = result.is_err();
@@ -325,7 +366,11 @@ impl FamilyTables {
         };
         // A jump rule can only exist while its target chain does (and `-C` fails without it).
         for rule in &JUMP_RULES {
-            let chains = if rule.table == Table::Filter { &filter } else { &nat };
+            let chains = if rule.table == Table::Filter {
+                &filter
+            } else {
+                &nat
+            };
             if chains.contains(rule.target) {
                 self.ipt.remove_rule(rule.table, rule.chain, &rule.spec())?;
             }
@@ -345,7 +390,11 @@ impl FamilyTables {
         if self.nat_chains.is_empty() && self.filter_chains.is_empty() {
             return Ok(()); // nothing programmed yet: the next full sync honours the flag
         }
-        let (filter, nat) = jump_edits(bypassed, &self.ipt.save(Table::Filter)?, &self.ipt.save(Table::Nat)?);
+        let (filter, nat) = jump_edits(
+            bypassed,
+            &self.ipt.save(Table::Filter)?,
+            &self.ipt.save(Table::Nat)?,
+        );
         if filter.is_empty() && nat.is_empty() {
             return Ok(());
         }
@@ -365,10 +414,20 @@ impl FamilyTables {
             return Ok(drift); // nothing programmed in ip6tables (e.g. no IPv6 on this node)
         }
         let tool = self.ipt.binary("iptables");
-        for (table, ours) in [(Table::Filter, &self.filter_chains), (Table::Nat, &self.nat_chains)] {
+        for (table, ours) in [
+            (Table::Filter, &self.filter_chains),
+            (Table::Nat, &self.nat_chains),
+        ] {
             let kernel = own_chains(&self.ipt.save(table)?);
-            drift.extend(ours.difference(&kernel).map(|c| format!("{tool}: chain {c} is missing")));
-            drift.extend(kernel.difference(ours).map(|c| format!("{tool}: chain {c} is not ours to keep")));
+            drift.extend(
+                ours.difference(&kernel)
+                    .map(|c| format!("{tool}: chain {c} is missing")),
+            );
+            drift.extend(
+                kernel
+                    .difference(ours)
+                    .map(|c| format!("{tool}: chain {c} is not ours to keep")),
+            );
         }
         Ok(drift)
     }
@@ -379,7 +438,12 @@ impl Backend for IptablesBackend {
         ProxyMode::Iptables
     }
 
-    fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+    fn sync(
+        &mut self,
+        snapshot: &DualSnapshot,
+        changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError> {
         let mut total: Option<SyncStats> = None;
         for i in 0..self.families.len() {
             let tables = &mut self.families[i];

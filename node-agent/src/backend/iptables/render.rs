@@ -40,7 +40,11 @@ struct Spelling {
 
 fn spelling(family: IpFamily) -> Spelling {
     match family {
-        IpFamily::V4 => Spelling { host: "/32", reject: "REJECT --reject-with icmp-port-unreachable", mask: "255.255.255.255" },
+        IpFamily::V4 => Spelling {
+            host: "/32",
+            reject: "REJECT --reject-with icmp-port-unreachable",
+            mask: "255.255.255.255",
+        },
         IpFamily::V6 => Spelling {
             host: "/128",
             reject: "REJECT --reject-with icmp6-port-unreachable",
@@ -230,7 +234,10 @@ pub fn comment(text: &str) -> String {
 pub fn forward_rules(mark: u32) -> [String; 3] {
     [
         "-m conntrack --ctstate INVALID -j DROP".to_owned(),
-        format!("{} -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT", comment("switchyard forwarding rules")),
+        format!(
+            "{} -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT",
+            comment("switchyard forwarding rules")
+        ),
         format!(
             "{} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
             comment("switchyard forwarding conntrack rule")
@@ -244,7 +251,10 @@ pub fn postrouting_rules(mark: u32) -> [String; 3] {
     [
         format!("-m mark ! --mark {mark:#x}/{mark:#x} -j RETURN"),
         format!("-j MARK --set-xmark {mark:#x}/0x0"),
-        format!("{} -j MASQUERADE --random-fully", comment("switchyard service traffic requiring SNAT")),
+        format!(
+            "{} -j MASQUERADE --random-fully",
+            comment("switchyard service traffic requiring SNAT")
+        ),
     ]
 }
 
@@ -294,8 +304,15 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
     match settings.node_port_addresses(snapshot.family) {
         // Every local address but loopback (IPv4 loopback NodePorts would need route_localnet).
         None => {
-            let not_loopback = if snapshot.family == IpFamily::V6 { "! -d ::1/128 " } else { "" };
-            nat.add(SERVICES, format!("{not_loopback}{np_comment} -m addrtype --dst-type LOCAL -j {NODEPORTS}"))
+            let not_loopback = if snapshot.family == IpFamily::V6 {
+                "! -d ::1/128 "
+            } else {
+                ""
+            };
+            nat.add(
+                SERVICES,
+                format!("{not_loopback}{np_comment} -m addrtype --dst-type LOCAL -j {NODEPORTS}"),
+            )
         }
         Some(addresses) => {
             let host = spelling(snapshot.family).host;
@@ -333,7 +350,11 @@ fn render_service(
     let proto = name.protocol.as_str();
     let cat = categorize(eps, &settings.node);
     let family = sp.family();
-    let Spelling { host, mut reject, mask } = spelling(family);
+    let Spelling {
+        host,
+        mut reject,
+        mask,
+    } = spelling(family);
     match crate::backend::fast_reject(family) {
         (protocol, crate::backend::FastReject::TcpReset) if protocol == name.protocol => {
             reject = "REJECT --reject-with tcp-reset";

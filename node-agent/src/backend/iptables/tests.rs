@@ -12,7 +12,9 @@ use std::process::Command;
 
 use super::render::{kernel_probability, probability, render, save_string};
 use super::*;
-use crate::model::{DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName};
+use crate::model::{
+    DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Scenario
@@ -27,7 +29,10 @@ fn settings() -> Settings {
             addresses: vec![ip("192.168.0.10"), fixtures::ipv6_twin(ip("192.168.0.10"))],
             zone: None,
         },
-        cluster_cidrs: vec![net("10.244.0.0/16"), fixtures::ipv6_twin_net(net("10.244.0.0/16"))],
+        cluster_cidrs: vec![
+            net("10.244.0.0/16"),
+            fixtures::ipv6_twin_net(net("10.244.0.0/16")),
+        ],
         ..Settings::default()
     }
 }
@@ -207,7 +212,10 @@ fn variant_settings() -> Settings {
     Settings {
         cluster_cidrs: Vec::new(),
         masquerade_all: true,
-        node_port_addresses: crate::backend::NodePortIps::of_addresses(&[ip("192.168.0.10"), ip("192.168.1.10")]),
+        node_port_addresses: crate::backend::NodePortIps::of_addresses(&[
+            ip("192.168.0.10"),
+            ip("192.168.1.10"),
+        ]),
         ..settings()
     }
 }
@@ -282,7 +290,10 @@ fn check_golden(name: &str, actual: &str) {
 fn iptables_golden_full_scenario() {
     check_golden("scenario.rules", &render(&scenario(), &settings(), None).text());
     // The same scenario over IPv6 (ip6tables-restore input).
-    check_golden("scenario6.rules", &render(&fixtures::ipv6_twin_snapshot(&scenario()), &settings(), None).text());
+    check_golden(
+        "scenario6.rules",
+        &render(&fixtures::ipv6_twin_snapshot(&scenario()), &settings(), None).text(),
+    );
 }
 
 #[test]
@@ -575,7 +586,10 @@ fn normalise(text: &str) -> String {
 /// The normalised full renders of `snap` and its IPv6 twin.
 fn render_pair(snap: &Snapshot) -> (String, String) {
     let v6 = fixtures::ipv6_twin_snapshot(snap);
-    (normalise(&render(snap, &settings(), None).text()), normalise(&render(&v6, &settings(), None).text()))
+    (
+        normalise(&render(snap, &settings(), None).text()),
+        normalise(&render(&v6, &settings(), None).text()),
+    )
 }
 
 fn kernel_text(ipt: &Iptables) -> String {
@@ -670,9 +684,19 @@ fn round_trip(variant: Variant, n: u32) {
     let stats = backend.sync(&dual(&snap2), &changes(&["sticky"]), false).unwrap();
     assert!(!stats.full);
     let (text, text6, (want, want6)) = both(&snap2);
-    assert_eq!((&text, &text6), (&want, &want6), "{variant}: after deleting a service");
-    for chain in service_chains(&snap, "sticky").into_iter().chain(service_chains(&fixtures::ipv6_twin_snapshot(&snap), "sticky")) {
-        assert!(!text.contains(&chain) && !text6.contains(&chain), "{variant}: stale chain {chain} left");
+    assert_eq!(
+        (&text, &text6),
+        (&want, &want6),
+        "{variant}: after deleting a service"
+    );
+    for chain in service_chains(&snap, "sticky")
+        .into_iter()
+        .chain(service_chains(&fixtures::ipv6_twin_snapshot(&snap), "sticky"))
+    {
+        assert!(
+            !text.contains(&chain) && !text6.contains(&chain),
+            "{variant}: stale chain {chain} left"
+        );
     }
 
     // Partial sync: an endpoint is added to one service and removed from another.
@@ -687,7 +711,9 @@ fn round_trip(variant: Variant, n: u32) {
     if let Some(eps) = snap3.endpoints.get_mut(&np) {
         eps.truncate(1);
     }
-    let stats = backend.sync(&dual(&snap3), &changes(&["one", "np"]), false).unwrap();
+    let stats = backend
+        .sync(&dual(&snap3), &changes(&["one", "np"]), false)
+        .unwrap();
     assert!(!stats.full);
     let (text, text6, (want, want6)) = both(&snap3);
     assert_eq!((text, text6), (want, want6), "{variant}: after endpoint changes");
@@ -697,8 +723,16 @@ fn round_trip(variant: Variant, n: u32) {
     single.v6.services.retain(|k, _| k.service.name != "np");
     single.v6.endpoints.retain(|k, _| k.service.name != "np");
     backend.sync(&single, &changes(&["np"]), false).unwrap();
-    assert_eq!(kernel_text(&ipt), normalise(&render(&single.v4, &settings(), None).text()), "{variant}: IPv4 kept np");
-    assert_eq!(kernel_text(&ipt6), normalise(&render(&single.v6, &settings(), None).text()), "{variant}: IPv6 dropped np");
+    assert_eq!(
+        kernel_text(&ipt),
+        normalise(&render(&single.v4, &settings(), None).text()),
+        "{variant}: IPv4 kept np"
+    );
+    assert_eq!(
+        kernel_text(&ipt6),
+        normalise(&render(&single.v6, &settings(), None).text()),
+        "{variant}: IPv6 dropped np"
+    );
     backend.sync(&dual(&snap3), &changes(&["np"]), false).unwrap();
 
     // Cleanup removes everything, in both families, twice.

@@ -669,7 +669,10 @@ impl Backend for IpvsBackend {
         full: bool,
     ) -> Result<SyncStats, BackendError> {
         if !snapshot.v6.services.is_empty() && !self.warned_ipv6 {
-            tracing::warn!(services = snapshot.v6.services.len(), "IPVS mode programs IPv4 only; IPv6 service ports are not served in this mode");
+            tracing::warn!(
+                services = snapshot.v6.services.len(),
+                "IPVS mode programs IPv4 only; IPv6 service ports are not served in this mode"
+            );
             self.warned_ipv6 = true;
         }
         // Partial syncs diff against the last applied state (the change set is implied by it).
@@ -713,7 +716,9 @@ impl Backend for IpvsBackend {
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {
-        let ips = self.node_port_addresses().unwrap_or_else(|_| render::ipv4s(&self.settings.node.addresses));
+        let ips = self
+            .node_port_addresses()
+            .unwrap_or_else(|_| render::ipv4s(&self.settings.node.addresses));
         render::render(&snapshot.v4, &self.settings, &ips).text()
     }
 

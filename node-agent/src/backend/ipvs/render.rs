@@ -596,7 +596,9 @@ fn render_service(
     d: &mut Desired,
 ) {
     // IPVS mode programs IPv4 only (the backend renders the IPv4 snapshot).
-    let IpAddr::V4(cluster_ip) = sp.cluster_ip else { return };
+    let IpAddr::V4(cluster_ip) = sp.cluster_ip else {
+        return;
+    };
     let (external_ips, load_balancer_ips) = (ipv4s(&sp.external_ips), ipv4s(&sp.load_balancer_ips));
     let cat = categorize(eps, &settings.node);
     let to_reals = |list: &[&Endpoint]| -> BTreeSet<(Ipv4Addr, u16)> {
@@ -722,7 +724,6 @@ fn render_service(
         set(d, LOOP_BACK).insert(format!("{},{p}:{},{}", ep.ip, ep.port, ep.ip));
     }
 }
-
 
 /// The fixed iptables rules; they only reference sets, so they do not depend on the services.
 fn rules(d: &mut Desired, settings: &Settings) {

@@ -1215,7 +1215,10 @@ mod vm {
         let save = sh(&["iptables-legacy-save"]);
         assert!(!save.contains("SWY-"), "SWY chains left: {save}");
         for family in crate::model::IpFamily::ALL {
-            assert!(crate::sys::nft::table_exists(family).unwrap(), "{family} switchyard table after the switch to nftables");
+            assert!(
+                crate::sys::nft::table_exists(family).unwrap(),
+                "{family} switchyard table after the switch to nftables"
+            );
         }
         println!(
             "VMTEST after leaving ipvs: no swy-ipvs0, no SWY-* ipsets, no IPVS services, no SWY-IPVS chains"
@@ -1243,7 +1246,10 @@ mod vm {
         );
         drop(via_nft);
         for family in crate::model::IpFamily::ALL {
-            assert!(!crate::sys::nft::table_exists(family).unwrap(), "{family} switchyard nft table left");
+            assert!(
+                !crate::sys::nft::table_exists(family).unwrap(),
+                "{family} switchyard nft table left"
+            );
         }
         println!("VMTEST after leaving nftables: no switchyard nft table (ip, ip6)");
         assert_eq!(

@@ -59,7 +59,8 @@ pub struct Nla(Vec<u8>);
 
 impl Nla {
     fn put(mut self, kind: u16, payload: &[u8]) -> Self {
-        self.0.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
+        self.0
+            .extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
         self.0.extend_from_slice(&kind.to_ne_bytes());
         self.0.extend_from_slice(payload);
         self.0.resize((self.0.len() + 3) & !3, 0);
@@ -87,7 +88,8 @@ fn nfgenmsg(family: u8) -> [u8; 4] {
 }
 
 fn message(family: IpFamily, msg: Msg, flags: u16, seq: u32, attrs: Nla) -> Vec<u8> {
-    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | flags, seq, &nfgenmsg(family.nfproto())).finish();
+    let mut b =
+        MessageBuilder::new(kind(msg), NLM_F_REQUEST | flags, seq, &nfgenmsg(family.nfproto())).finish();
     b.extend_from_slice(&attrs.0);
     let len = b.len() as u32;
     b[0..4].copy_from_slice(&len.to_ne_bytes());
@@ -107,7 +109,10 @@ pub struct Batch {
 impl Batch {
     /// An empty batch for the table of `family`.
     pub fn new(family: IpFamily) -> Self {
-        Self { family, ..Self::default() }
+        Self {
+            family,
+            ..Self::default()
+        }
     }
 
     /// Messages in the batch.
@@ -123,7 +128,8 @@ impl Batch {
     fn push(&mut self, msg: Msg, flags: u16, attrs: Nla) {
         self.count += 1;
         self.last = self.messages.len();
-        self.messages.extend(message(self.family, msg, flags, self.count, attrs));
+        self.messages
+            .extend(message(self.family, msg, flags, self.count, attrs));
     }
 
     /// The framed batch (begin, messages 1..=n, end) and the sequence number to await.
@@ -149,7 +155,10 @@ impl Batch {
 
     /// `add table ip switchyard` / `ip6 switchyard` (no error if it exists).
     pub fn add_table(&mut self, comment: &str) {
-        let attrs = Nla::default().str(1, TABLE).u32(2, 0).put(6, &udata_string(0, comment));
+        let attrs = Nla::default()
+            .str(1, TABLE)
+            .u32(2, 0)
+            .put(6, &udata_string(0, comment));
         self.push(Msg::NewTable, NLM_F_CREATE, attrs);
     }
 
@@ -163,7 +172,10 @@ impl Batch {
         let mut attrs = Nla::default().str(1, TABLE).str(3, name);
         if let Some(b) = base {
             attrs = attrs
-                .nest(4, Nla::default().u32(1, b.hook.number()).u32(2, b.priority as u32))
+                .nest(
+                    4,
+                    Nla::default().u32(1, b.hook.number()).u32(2, b.priority as u32),
+                )
                 .u32(5, 1) // policy accept
                 .str(7, if b.nat { "nat" } else { "filter" });
         }
@@ -206,7 +218,12 @@ impl Batch {
             flags |= 0x10 | 0x20; // NFT_SET_TIMEOUT | NFT_SET_EVAL (dynamic)
         }
         self.set_ids += 1;
-        let mut attrs = Nla::default().str(1, TABLE).str(2, &set.name).u32(3, flags).u32(4, key_type).u32(5, key_len);
+        let mut attrs = Nla::default()
+            .str(1, TABLE)
+            .str(2, &set.name)
+            .u32(3, flags)
+            .u32(4, key_type)
+            .u32(5, key_len);
         if set.verdict_map {
             attrs = attrs.u32(6, 0xffff_ff00).u32(7, 0);
         } else if set.key.is_endpoint_map() {
@@ -277,14 +294,24 @@ impl Batch {
 
     fn element_message(&mut self, set: &str, list: Nla, add: bool) {
         let attrs = Nla::default().str(1, TABLE).str(2, set).nest(3, list);
-        let (msg, flags) = if add { (Msg::NewSetElem, NLM_F_CREATE) } else { (Msg::DelSetElem, 0) };
+        let (msg, flags) = if add {
+            (Msg::NewSetElem, NLM_F_CREATE)
+        } else {
+            (Msg::DelSetElem, 0)
+        };
         self.push(msg, flags, attrs);
     }
 }
 
 /// A dump request (`GETCHAIN`, `GETSET`) for our table of `family`.
 pub fn dump_request(family: IpFamily, msg: Msg, seq: u32) -> Vec<u8> {
-    let mut b = MessageBuilder::new(kind(msg), NLM_F_REQUEST | NLM_F_DUMP, seq, &nfgenmsg(family.nfproto())).finish();
+    let mut b = MessageBuilder::new(
+        kind(msg),
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        &nfgenmsg(family.nfproto()),
+    )
+    .finish();
     let attrs = Nla::default().str(1, TABLE);
     b.extend_from_slice(&attrs.0);
     let len = b.len() as u32;
@@ -294,7 +321,13 @@ pub fn dump_request(family: IpFamily, msg: Msg, seq: u32) -> Vec<u8> {
 
 /// A `GETTABLE` request for our table of `family` (answers ENOENT when it does not exist).
 pub fn get_table_request(family: IpFamily, seq: u32) -> Vec<u8> {
-    message(family, Msg::GetTable, NLM_F_ACK, seq, Nla::default().str(1, TABLE))
+    message(
+        family,
+        Msg::GetTable,
+        NLM_F_ACK,
+        seq,
+        Nla::default().str(1, TABLE),
+    )
 }
 
 /// libnftnl user-data TLV with a NUL-terminated string.
@@ -314,14 +347,22 @@ fn udata(kind: u8, value: &[u8]) -> Vec<u8> {
 
 /// nft's `typeof` description of one expression: expression type and its attributes.
 fn typeof_expr(expr: u32, attrs: &[u32]) -> Vec<u8> {
-    let data: Vec<u8> = attrs.iter().enumerate().flat_map(|(i, a)| udata(i as u8, &a.to_ne_bytes())).collect();
+    let data: Vec<u8> = attrs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, a)| udata(i as u8, &a.to_ne_bytes()))
+        .collect();
     [udata(0, &expr.to_ne_bytes()), udata(1, &data)].concat()
 }
 
 /// nft's `typeof` of a concatenation.
 fn typeof_concat(parts: &[Vec<u8>]) -> Vec<u8> {
     const CONCAT: u32 = 13;
-    let data: Vec<u8> = parts.iter().enumerate().flat_map(|(i, p)| udata(i as u8, p)).collect();
+    let data: Vec<u8> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| udata(i as u8, p))
+        .collect();
     [udata(0, &CONCAT.to_ne_bytes()), udata(1, &data)].concat()
 }
 
@@ -341,13 +382,24 @@ fn typeof_udata(key: KeyType, family: IpFamily) -> Option<Vec<u8>> {
     let l4proto = typeof_expr(META, &[16]);
     let numgen = |n: u32| typeof_expr(NUMGEN, &[1, n, 0]);
     let key = match key {
-        KeyType::AddrProtoPortSlot(n) => typeof_concat(&[daddr.clone(), l4proto, th_dport.clone(), numgen(n)]),
+        KeyType::AddrProtoPortSlot(n) => {
+            typeof_concat(&[daddr.clone(), l4proto, th_dport.clone(), numgen(n)])
+        }
         KeyType::ProtoPortSlot(n) => typeof_concat(&[l4proto, th_dport.clone(), numgen(n)]),
         _ => return None,
     };
     let data = typeof_concat(&[daddr, th_dport]);
     let zero = 0u32.to_ne_bytes();
-    Some([udata(0, &zero), udata(1, &zero), udata(3, &key), udata(4, &data), udata(6, &zero)].concat())
+    Some(
+        [
+            udata(0, &zero),
+            udata(1, &zero),
+            udata(3, &key),
+            udata(4, &data),
+            udata(6, &zero),
+        ]
+        .concat(),
+    )
 }
 
 const INTEGER: u32 = 4;
@@ -370,7 +422,10 @@ fn key_type(key: KeyType, family: IpFamily) -> (u32, u32) {
         KeyType::ProtoPort => ((PROTO << 6) | SERVICE, 8),
         KeyType::AddrProtoPort => ((((addr << 6) | PROTO) << 6) | SERVICE, len + 8),
         KeyType::AddrAddr => ((addr << 6) | addr, 2 * len),
-        KeyType::AddrProtoPortSlot(_) => ((((((addr << 6) | PROTO) << 6) | SERVICE) << 6) | INTEGER, len + 12),
+        KeyType::AddrProtoPortSlot(_) => (
+            (((((addr << 6) | PROTO) << 6) | SERVICE) << 6) | INTEGER,
+            len + 12,
+        ),
         KeyType::ProtoPortSlot(_) => ((((PROTO << 6) | SERVICE) << 6) | INTEGER, 12),
     }
 }
@@ -395,9 +450,13 @@ pub fn key_bytes(key: &Key) -> Vec<u8> {
         Key::AddrProtoPort(a, p, n) => [octets(a), proto(*p).to_vec(), port(*n).to_vec()].concat(),
         Key::AddrAddr(a, b) => [octets(a), octets(b)].concat(),
         // numgen writes its value in host byte order.
-        Key::AddrProtoPortSlot(a, p, n, s) => {
-            [octets(a), proto(*p).to_vec(), port(*n).to_vec(), s.index.to_ne_bytes().to_vec()].concat()
-        }
+        Key::AddrProtoPortSlot(a, p, n, s) => [
+            octets(a),
+            proto(*p).to_vec(),
+            port(*n).to_vec(),
+            s.index.to_ne_bytes().to_vec(),
+        ]
+        .concat(),
         Key::ProtoPortSlot(p, n, s) => [proto(*p), port(*n), s.index.to_ne_bytes()].concat(),
     }
 }
@@ -421,15 +480,36 @@ fn value(bytes: &[u8]) -> Nla {
 }
 
 fn payload(dreg: u32, base: u32, offset: u32, len: u32) -> (&'static str, Nla) {
-    ("payload", Nla::default().u32(1, dreg).u32(2, base).u32(3, offset).u32(4, len))
+    (
+        "payload",
+        Nla::default()
+            .u32(1, dreg)
+            .u32(2, base)
+            .u32(3, offset)
+            .u32(4, len),
+    )
 }
 
 fn cmp(eq: bool, data: &[u8]) -> (&'static str, Nla) {
-    ("cmp", Nla::default().u32(1, 1).u32(2, if eq { 0 } else { 1 }).nest(3, value(data)))
+    (
+        "cmp",
+        Nla::default()
+            .u32(1, 1)
+            .u32(2, if eq { 0 } else { 1 })
+            .nest(3, value(data)),
+    )
 }
 
 fn bitwise(len: u32, mask: &[u8], xor: &[u8]) -> (&'static str, Nla) {
-    ("bitwise", Nla::default().u32(1, 1).u32(2, 1).u32(3, len).nest(4, value(mask)).nest(5, value(xor)))
+    (
+        "bitwise",
+        Nla::default()
+            .u32(1, 1)
+            .u32(2, 1)
+            .u32(3, len)
+            .nest(4, value(mask))
+            .nest(5, value(xor)),
+    )
 }
 
 fn meta_load(dreg: u32, key: u32) -> (&'static str, Nla) {
@@ -437,12 +517,22 @@ fn meta_load(dreg: u32, key: u32) -> (&'static str, Nla) {
 }
 
 fn numgen(dreg: u32, modulus: u32) -> (&'static str, Nla) {
-    ("numgen", Nla::default().u32(1, dreg).u32(2, modulus).u32(3, 1 /* random */))
+    (
+        "numgen",
+        Nla::default().u32(1, dreg).u32(2, modulus).u32(3, 1 /* random */),
+    )
 }
 
 /// DNAT to the address in register 1 and the port in register `port_reg` (`dnat ip to … map`).
 fn dnat_from_registers(family: IpFamily, port_reg: u32) -> (&'static str, Nla) {
-    ("nat", Nla::default().u32(1, 1).u32(2, u32::from(family.nfproto())).u32(3, 1).u32(5, port_reg))
+    (
+        "nat",
+        Nla::default()
+            .u32(1, 1)
+            .u32(2, u32::from(family.nfproto()))
+            .u32(3, 1)
+            .u32(5, port_reg),
+    )
 }
 
 fn lookup(set: &str, dreg: Option<u32>) -> (&'static str, Nla) {
@@ -465,8 +555,16 @@ struct Layout {
 
 fn layout(family: IpFamily) -> Layout {
     match family {
-        IpFamily::V4 => Layout { saddr: 12, daddr: 16, len: 4 },
-        IpFamily::V6 => Layout { saddr: 8, daddr: 24, len: 16 },
+        IpFamily::V4 => Layout {
+            saddr: 12,
+            daddr: 16,
+            len: 4,
+        },
+        IpFamily::V6 => Layout {
+            saddr: 8,
+            daddr: 24,
+            len: 16,
+        },
     }
 }
 
@@ -474,7 +572,11 @@ fn layout(family: IpFamily) -> Layout {
 /// word starting a 128-bit register by that register (`NFT_REG_1`..), any other by its 32-bit
 /// register (`NFT_REG32_00` = 8 onwards).
 fn reg(word: u32) -> u32 {
-    if word.is_multiple_of(4) { 1 + word / 4 } else { 8 + word }
+    if word.is_multiple_of(4) {
+        1 + word / 4
+    } else {
+        8 + word
+    }
 }
 
 fn addr_match(offset: u32, net: &IpNet, negate: bool) -> Vec<(&'static str, Nla)> {
@@ -487,7 +589,11 @@ fn addr_match(offset: u32, net: &IpNet, negate: bool) -> Vec<(&'static str, Nla)
         vec![payload(1, 1, offset, prefix / 8), cmp(!negate, &full[..n])]
     } else {
         let len = full.len() as u32;
-        vec![payload(1, 1, offset, len), bitwise(len, &mask, &vec![0; full.len()]), cmp(!negate, &full)]
+        vec![
+            payload(1, 1, offset, len),
+            bitwise(len, &mask, &vec![0; full.len()]),
+            cmp(!negate, &full),
+        ]
     }
 }
 
@@ -514,7 +620,11 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         Expr::DaddrInSet(s) => vec![payload(1, 1, l.daddr, l.len), lookup(s, None)],
         Expr::SaddrInSet(s) => vec![payload(1, 1, l.saddr, l.len), lookup(s, None)],
         Expr::SaddrDaddrInSet(s) => {
-            vec![payload(1, 1, l.saddr, l.len), payload(reg(words), 1, l.daddr, l.len), lookup(s, None)]
+            vec![
+                payload(1, 1, l.saddr, l.len),
+                payload(reg(words), 1, l.daddr, l.len),
+                lookup(s, None),
+            ]
         }
         Expr::DaddrProtoPortInSet(s) => vec![
             payload(1, 1, l.daddr, l.len),
@@ -541,13 +651,24 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         ],
         Expr::FibSaddrLocal | Expr::FibDaddrLocal => {
             let flags = if matches!(e, Expr::FibSaddrLocal) { 1 } else { 2 };
-            vec![("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)), cmp(true, &2u32.to_ne_bytes())]
+            vec![
+                ("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)),
+                cmp(true, &2u32.to_ne_bytes()),
+            ]
         }
         Expr::NumgenZero(m) => vec![numgen(1, *m), cmp(true, &[0; 4])],
         Expr::L4Proto(p) => vec![meta_load(1, META_L4PROTO), cmp(true, &[p.number()])],
-        Expr::MarkUnset(m) => vec![meta_load(1, META_MARK), bitwise(4, &m.to_ne_bytes(), &[0; 4]), cmp(true, &[0; 4])],
+        Expr::MarkUnset(m) => vec![
+            meta_load(1, META_MARK),
+            bitwise(4, &m.to_ne_bytes(), &[0; 4]),
+            cmp(true, &[0; 4]),
+        ],
         Expr::SetMarkOr(m) | Expr::SetMarkXor(m) => {
-            let mask = if matches!(e, Expr::SetMarkOr(_)) { !*m } else { u32::MAX };
+            let mask = if matches!(e, Expr::SetMarkOr(_)) {
+                !*m
+            } else {
+                u32::MAX
+            };
             vec![
                 meta_load(1, META_MARK),
                 bitwise(4, &mask.to_ne_bytes(), &m.to_ne_bytes()),
@@ -556,8 +677,19 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         }
         Expr::Dnat(a, p) => vec![
             ("immediate", Nla::default().u32(1, 1).nest(2, value(&octets(a)))),
-            ("immediate", Nla::default().u32(1, 2).nest(2, value(&p.to_be_bytes()))),
-            ("nat", Nla::default().u32(1, 1).u32(2, u32::from(family.nfproto())).u32(3, 1).u32(5, 2).u32(7, 2)),
+            (
+                "immediate",
+                Nla::default().u32(1, 2).nest(2, value(&p.to_be_bytes())),
+            ),
+            (
+                "nat",
+                Nla::default()
+                    .u32(1, 1)
+                    .u32(2, u32::from(family.nfproto()))
+                    .u32(3, 1)
+                    .u32(5, 2)
+                    .u32(7, 2),
+            ),
         ],
         Expr::Masquerade => vec![("masq", Nla::default().u32(1, 0x10))],
         // ICMP port unreachable (3) / ICMPv6 port unreachable (4).
@@ -569,7 +701,10 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         // NFT_REJECT_ICMP_UNREACH with ICMP_PROT_UNREACH.
         Expr::RejectProtocolUnreachable => vec![("reject", Nla::default().u32(1, 0).put(2, &[2]))],
         Expr::UpdateSaddr(s) => {
-            vec![payload(1, 1, l.saddr, l.len), ("dynset", Nla::default().str(1, s).u32(3, 1).u32(4, 1))]
+            vec![
+                payload(1, 1, l.saddr, l.len),
+                ("dynset", Nla::default().str(1, s).u32(3, 1).u32(4, 1)),
+            ]
         }
         Expr::VmapDaddrProtoPort(m) => vec![
             payload(1, 1, l.daddr, l.len),
@@ -577,7 +712,11 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
             payload(reg(words + 1), 2, 2, 2),
             lookup(m, Some(0)),
         ],
-        Expr::VmapProtoPort(m) => vec![meta_load(1, META_L4PROTO), payload(9, 2, 2, 2), lookup(m, Some(0))],
+        Expr::VmapProtoPort(m) => vec![
+            meta_load(1, META_L4PROTO),
+            payload(9, 2, 2, 2),
+            lookup(m, Some(0)),
+        ],
         Expr::Verdict(v) => vec![("immediate", Nla::default().u32(1, 0).nest(2, verdict_data(v)))],
     }
 }
@@ -592,14 +731,18 @@ fn string_attr(attrs: &[u8], kind: u16) -> Option<String> {
 pub fn chain_name(payload: &[u8]) -> Option<String> {
     let attrs = payload.get(4..)?;
     // NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME.
-    (string_attr(attrs, 1)? == TABLE).then(|| string_attr(attrs, 3)).flatten()
+    (string_attr(attrs, 1)? == TABLE)
+        .then(|| string_attr(attrs, 3))
+        .flatten()
 }
 
 /// The name of a set of our table in a `GETSET` dump reply payload (`None` for other tables').
 pub fn set_name(payload: &[u8]) -> Option<String> {
     let attrs = payload.get(4..)?;
     // NFTA_SET_TABLE, NFTA_SET_NAME.
-    (string_attr(attrs, 1)? == TABLE).then(|| string_attr(attrs, 2)).flatten()
+    (string_attr(attrs, 1)? == TABLE)
+        .then(|| string_attr(attrs, 2))
+        .flatten()
 }
 
 #[cfg(test)]
@@ -619,9 +762,15 @@ mod tests {
     #[test]
     fn dnat_encodes_address_and_port_in_network_order() {
         let exprs = encode_expr(&Expr::Dnat("10.244.1.11".parse().expect("ip"), 80), IpFamily::V4);
-        assert_eq!(exprs.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["immediate", "immediate", "nat"]);
+        assert_eq!(
+            exprs.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+            ["immediate", "immediate", "nat"]
+        );
         // immediate: DREG=1, DATA{VALUE=0a f4 01 0b}
-        assert_eq!(exprs[0].1.bytes(), [8, 0, 1, 0, 0, 0, 0, 1, 12, 0, 2, 0x80, 8, 0, 1, 0, 10, 244, 1, 11]);
+        assert_eq!(
+            exprs[0].1.bytes(),
+            [8, 0, 1, 0, 0, 0, 0, 1, 12, 0, 2, 0x80, 8, 0, 1, 0, 10, 244, 1, 11]
+        );
         assert_eq!(&exprs[1].1.bytes()[16..18], [0, 80]);
     }
 
@@ -639,11 +788,22 @@ mod tests {
     #[test]
     fn dumps_name_only_our_tables_objects() {
         // nfgenmsg, then NFTA_CHAIN_TABLE (1) and NFTA_CHAIN_NAME (3).
-        let chain = |table: &str, name: &str| [vec![2, 0, 0, 0], Nla::default().str(1, table).str(3, name).0].concat();
+        let chain = |table: &str, name: &str| {
+            [vec![2, 0, 0, 0], Nla::default().str(1, table).str(3, name).0].concat()
+        };
         assert_eq!(chain_name(&chain(TABLE, "services")), Some("services".to_owned()));
-        assert_eq!(chain_name(&chain("firewalld", "forward")), None, "another table's chain");
-        let set = |table: &str, name: &str| [vec![2, 0, 0, 0], Nla::default().str(1, table).str(2, name).0].concat();
-        assert_eq!(set_name(&set(TABLE, "cluster-ips")), Some("cluster-ips".to_owned()));
+        assert_eq!(
+            chain_name(&chain("firewalld", "forward")),
+            None,
+            "another table's chain"
+        );
+        let set = |table: &str, name: &str| {
+            [vec![2, 0, 0, 0], Nla::default().str(1, table).str(2, name).0].concat()
+        };
+        assert_eq!(
+            set_name(&set(TABLE, "cluster-ips")),
+            Some("cluster-ips".to_owned())
+        );
         assert_eq!(set_name(&set("other", "cluster-ips")), None);
     }
 

@@ -34,14 +34,20 @@ fn addr_port(addr: &IpAddr, port: u16) -> String {
 /// The loopback network NodePorts are not served on (`127.0.0.0/8`, `::1`).
 pub fn loopback(family: IpFamily) -> IpNet {
     match family {
-        IpFamily::V4 => IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(127, 0, 0, 0), 8).unwrap_or_default()),
+        IpFamily::V4 => {
+            IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(127, 0, 0, 0), 8).unwrap_or_default())
+        }
         IpFamily::V6 => IpNet::V6(ipnet::Ipv6Net::new(Ipv6Addr::LOCALHOST, 128).unwrap_or_default()),
     }
 }
 
 /// A network as nft prints it: a host prefix prints as the bare address.
 fn net_text(net: &IpNet) -> String {
-    if net.prefix_len() == net.max_prefix_len() { net.addr().to_string() } else { net.to_string() }
+    if net.prefix_len() == net.max_prefix_len() {
+        net.addr().to_string()
+    } else {
+        net.to_string()
+    }
 }
 
 /// A verdict.
@@ -164,7 +170,9 @@ impl Expr {
             Expr::DnatDaddrProtoPortSlot(n, m) => {
                 format!("dnat {ip} to {ip} daddr . meta l4proto . th dport . numgen random mod {n} map @{m}")
             }
-            Expr::DnatProtoPortSlot(n, m) => format!("dnat {ip} to meta l4proto . th dport . numgen random mod {n} map @{m}"),
+            Expr::DnatProtoPortSlot(n, m) => {
+                format!("dnat {ip} to meta l4proto . th dport . numgen random mod {n} map @{m}")
+            }
             Expr::Masquerade => "masquerade fully-random".into(),
             Expr::Reject => "reject".into(),
             Expr::RejectTcpReset => "reject with tcp reset".into(),
@@ -200,7 +208,12 @@ impl Rule {
 
     /// nft syntax in a table of `family`.
     pub fn text(&self, family: IpFamily) -> String {
-        let mut s = self.exprs.iter().map(|e| e.text(family)).collect::<Vec<_>>().join(" ");
+        let mut s = self
+            .exprs
+            .iter()
+            .map(|e| e.text(family))
+            .collect::<Vec<_>>()
+            .join(" ");
         if let Some(c) = &self.comment {
             let _ = write!(s, " comment \"{c}\"");
         }
@@ -299,9 +312,13 @@ impl KeyType {
             KeyType::AddrProtoPort => format!("type {addr} . inet_proto . inet_service{verdict}"),
             KeyType::AddrAddr => format!("type {addr} . {addr}{verdict}"),
             KeyType::AddrProtoPortSlot(n) => {
-                format!("typeof {ip} daddr . meta l4proto . th dport . numgen random mod {n} : {ip} daddr . th dport")
+                format!(
+                    "typeof {ip} daddr . meta l4proto . th dport . numgen random mod {n} : {ip} daddr . th dport"
+                )
             }
-            KeyType::ProtoPortSlot(n) => format!("typeof meta l4proto . th dport . numgen random mod {n} : {ip} daddr . th dport"),
+            KeyType::ProtoPortSlot(n) => {
+                format!("typeof meta l4proto . th dport . numgen random mod {n} : {ip} daddr . th dport")
+            }
         }
     }
 
@@ -390,8 +407,16 @@ pub struct Element {
 impl SetDef {
     /// nft syntax of the definition in a table of `family`.
     pub fn text(&self, family: IpFamily) -> String {
-        let kind = if self.verdict_map || self.key.is_endpoint_map() { "map" } else { "set" };
-        let mut s = format!("\t{kind} {} {{\n\t\t{}\n", self.name, self.key.declaration(family, self.verdict_map));
+        let kind = if self.verdict_map || self.key.is_endpoint_map() {
+            "map"
+        } else {
+            "set"
+        };
+        let mut s = format!(
+            "\t{kind} {} {{\n\t\t{}\n",
+            self.name,
+            self.key.declaration(family, self.verdict_map)
+        );
         if let Some(t) = self.timeout_seconds {
             let _ = write!(s, "\t\tflags dynamic,timeout\n\t\ttimeout {t}s\n");
         }
@@ -436,7 +461,8 @@ pub struct Ruleset {
 impl Ruleset {
     /// Number of rules plus elements: the size of the ruleset.
     pub fn object_count(&self) -> usize {
-        self.chains.iter().map(|c| c.rules.len()).sum::<usize>() + self.elements.values().map(Vec::len).sum::<usize>()
+        self.chains.iter().map(|c| c.rules.len()).sum::<usize>()
+            + self.elements.values().map(Vec::len).sum::<usize>()
     }
 
     /// A complete `nft -f` script that (re)creates the table, for `--render` and as a test oracle.

@@ -58,13 +58,20 @@ struct Table {
 }
 
 fn kernel(detail: String) -> BackendError {
-    BackendError::Kernel { backend: "nftables", detail }
+    BackendError::Kernel {
+        backend: "nftables",
+        detail,
+    }
 }
 
 impl NftablesBackend {
     /// A backend that renders with `settings`.
     pub fn new(settings: Settings) -> Self {
-        Self { settings, tables: IpFamily::ALL.map(Table::new), bypassed: false }
+        Self {
+            settings,
+            tables: IpFamily::ALL.map(Table::new),
+            bypassed: false,
+        }
     }
 }
 
@@ -73,7 +80,10 @@ fn base(settings: &Settings, family: IpFamily, bypassed: bool) -> ir::Ruleset {
     let mut base = render::base(settings, family);
     if bypassed {
         for chain in base.chains.iter_mut().filter(|c| c.base.is_some()) {
-            chain.rules.insert(0, ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment("bypassed by switchyard"));
+            chain.rules.insert(
+                0,
+                ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment("bypassed by switchyard"),
+            );
         }
     }
     base
@@ -106,7 +116,11 @@ impl Table {
         only: Option<&ServiceName>,
     ) -> BTreeMap<ServicePortName, Fragment> {
         let render = |(name, port): (&ServicePortName, &crate::model::ServicePort)| {
-            let eps = snapshot.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
+            let eps = snapshot
+                .endpoints
+                .get(name)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
             (name.clone(), render::service(port, eps, settings))
         };
         match only {
@@ -139,7 +153,12 @@ impl Table {
         }
     }
 
-    fn full_sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot) -> Result<SyncStats, BackendError> {
+    fn full_sync(
+        &mut self,
+        settings: &Settings,
+        bypassed: bool,
+        snapshot: &Snapshot,
+    ) -> Result<SyncStats, BackendError> {
         let mut base = base(settings, self.family, bypassed);
         let fragments = Self::render_fragments(settings, snapshot, None);
         let mut endpoint_maps = EndpointMaps::new();
@@ -147,7 +166,8 @@ impl Table {
             *endpoint_maps.entry(m).or_default() += 1;
         }
         render::add_dispatch(&mut base, &endpoint_maps);
-        let existing_chains: BTreeSet<String> = sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
+        let existing_chains: BTreeSet<String> =
+            sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
         let existing_sets: BTreeSet<String> = sys::nft::list(self.family, Msg::GetSet)?.into_iter().collect();
 
         let mut batch = Batch::new(self.family);
@@ -156,7 +176,10 @@ impl Table {
             batch.add_set(set);
             batch.flush_set(&set.name);
         }
-        let all_chains = base.chains.iter().chain(fragments.values().flat_map(|f| f.chains.iter()));
+        let all_chains = base
+            .chains
+            .iter()
+            .chain(fragments.values().flat_map(|f| f.chains.iter()));
         let mut desired_chains = BTreeSet::new();
         for chain in all_chains.clone() {
             batch.add_chain(&chain.name, chain.base);
@@ -178,13 +201,20 @@ impl Table {
         }
         let mut elements: HashMap<(&'static str, Key), (Element, usize)> = HashMap::new();
         for (set, list) in &base.elements {
-            let set = if set == render::sets::NODEPORT_IPS { render::sets::NODEPORT_IPS } else { continue };
+            let set = if set == render::sets::NODEPORT_IPS {
+                render::sets::NODEPORT_IPS
+            } else {
+                continue;
+            };
             for e in list {
                 elements.insert((set, e.key.clone()), (e.clone(), 1));
             }
         }
         for (set, e) in fragments.values().flat_map(|f| f.elements.iter()) {
-            elements.entry((*set, e.key.clone())).and_modify(|(_, n)| *n += 1).or_insert_with(|| (e.clone(), 1));
+            elements
+                .entry((*set, e.key.clone()))
+                .and_modify(|(_, n)| *n += 1)
+                .or_insert_with(|| (e.clone(), 1));
         }
         let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<&Element>> = BTreeMap::new();
         for ((set, key), (e, _)) in &elements {
@@ -208,7 +238,10 @@ impl Table {
             endpoints: fragments.values().map(|f| f.endpoints).sum(),
             objects_written: messages,
             rules_total: base.object_count()
-                + fragments.values().map(|f| f.chains.iter().map(|c| c.rules.len()).sum::<usize>()).sum::<usize>()
+                + fragments
+                    .values()
+                    .map(|f| f.chains.iter().map(|c| c.rules.len()).sum::<usize>())
+                    .sum::<usize>()
                 + elements.len(),
         };
         self.fragments = fragments;
@@ -249,20 +282,32 @@ impl Table {
             if before.symmetric_difference(&after).any(|(k, _)| *k == kind) {
                 let chain = render::dnat_chain(kind);
                 batch.flush_chain(chain);
-                for rule in render::dnat_rules(kind, after.iter().filter(|(k, _)| *k == kind).map(|(_, n)| *n)) {
+                for rule in
+                    render::dnat_rules(kind, after.iter().filter(|(k, _)| *k == kind).map(|(_, n)| *n))
+                {
                     batch.add_rule(chain, &rule);
                 }
             }
         }
-        before.difference(&after).map(|(kind, n)| render::endpoint_map_name(kind, *n)).collect()
+        before
+            .difference(&after)
+            .map(|(kind, n)| render::endpoint_map_name(kind, *n))
+            .collect()
     }
 
-    fn partial_sync(&mut self, settings: &Settings, snapshot: &Snapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
+    fn partial_sync(
+        &mut self,
+        settings: &Settings,
+        snapshot: &Snapshot,
+        changes: &Changes,
+    ) -> Result<SyncStats, BackendError> {
         let mut batch = Batch::new(self.family);
         let mut removed: Vec<Fragment> = Vec::new();
         let mut added: BTreeMap<ServicePortName, Fragment> = BTreeMap::new();
         for service in &changes.services {
-            let old_keys: Vec<ServicePortName> = ports_of(&self.fragments, service).map(|(k, _)| k.clone()).collect();
+            let old_keys: Vec<ServicePortName> = ports_of(&self.fragments, service)
+                .map(|(k, _)| k.clone())
+                .collect();
             removed.extend(old_keys.iter().filter_map(|k| self.fragments.remove(k)));
             added.extend(Self::render_fragments(settings, snapshot, Some(service)));
         }
@@ -270,16 +315,28 @@ impl Table {
             // Nothing of this family changed (e.g. an IPv4-only Service in the IPv6 table).
             return Ok(SyncStats::default());
         }
-        let old_chains: BTreeSet<&str> = removed.iter().flat_map(|f| f.chains.iter().map(|c| c.name.as_str())).collect();
-        let new_chains: BTreeSet<&str> = added.values().flat_map(|f| f.chains.iter().map(|c| c.name.as_str())).collect();
+        let old_chains: BTreeSet<&str> = removed
+            .iter()
+            .flat_map(|f| f.chains.iter().map(|c| c.name.as_str()))
+            .collect();
+        let new_chains: BTreeSet<&str> = added
+            .values()
+            .flat_map(|f| f.chains.iter().map(|c| c.name.as_str()))
+            .collect();
         for chain in added.values().flat_map(|f| f.chains.iter()) {
             batch.add_chain(&chain.name, chain.base);
             if old_chains.contains(chain.name.as_str()) {
                 batch.flush_chain(&chain.name);
             }
         }
-        let old_sets: BTreeSet<&str> = removed.iter().flat_map(|f| f.sets.iter().map(|s| s.name.as_str())).collect();
-        let new_sets: BTreeSet<&str> = added.values().flat_map(|f| f.sets.iter().map(|s| s.name.as_str())).collect();
+        let old_sets: BTreeSet<&str> = removed
+            .iter()
+            .flat_map(|f| f.sets.iter().map(|s| s.name.as_str()))
+            .collect();
+        let new_sets: BTreeSet<&str> = added
+            .values()
+            .flat_map(|f| f.sets.iter().map(|s| s.name.as_str()))
+            .collect();
         for set in added.values().flat_map(|f| f.sets.iter()) {
             if !old_sets.contains(set.name.as_str()) {
                 batch.add_set(set);
@@ -326,7 +383,10 @@ impl Table {
         let group = |list: &[(&'static str, Element)]| {
             let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<Element>> = BTreeMap::new();
             for (s, e) in list {
-                by_set.entry(render::element_set(s, &e.key)).or_default().push(e.clone());
+                by_set
+                    .entry(render::element_set(s, &e.key))
+                    .or_default()
+                    .push(e.clone());
             }
             by_set
         };
@@ -336,7 +396,10 @@ impl Table {
         for (set, list) in group(&adds) {
             batch.elements(&set, &list.iter().collect::<Vec<_>>(), true);
         }
-        let stale: Vec<String> = old_chains.difference(&new_chains).map(|s| (*s).to_owned()).collect();
+        let stale: Vec<String> = old_chains
+            .difference(&new_chains)
+            .map(|s| (*s).to_owned())
+            .collect();
         for c in &stale {
             batch.flush_chain(c);
         }
@@ -361,7 +424,14 @@ impl Table {
 }
 
 impl Table {
-    fn sync(&mut self, settings: &Settings, bypassed: bool, snapshot: &Snapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+    fn sync(
+        &mut self,
+        settings: &Settings,
+        bypassed: bool,
+        snapshot: &Snapshot,
+        changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError> {
         let result = if full || !self.programmed {
             self.full_sync(settings, bypassed, snapshot)
         } else {
@@ -391,7 +461,11 @@ impl Table {
             return Ok(()); // the next full sync programs the base chains accordingly
         }
         let mut batch = Batch::new(self.family);
-        for chain in base(settings, self.family, bypassed).chains.iter().filter(|c| c.base.is_some()) {
+        for chain in base(settings, self.family, bypassed)
+            .chains
+            .iter()
+            .filter(|c| c.base.is_some())
+        {
             batch.flush_chain(&chain.name);
             for rule in &chain.rules {
                 batch.add_rule(&chain.name, rule);
@@ -412,7 +486,10 @@ impl Table {
             .map(|c| c.name.clone())
             .collect();
         let table = format!("{} {}", ir::family_name(self.family), ir::TABLE);
-        let mut drift: Vec<String> = desired.difference(&kernel).map(|c| format!("{table}: chain {c} is missing")).collect();
+        let mut drift: Vec<String> = desired
+            .difference(&kernel)
+            .map(|c| format!("{table}: chain {c} is missing"))
+            .collect();
         drift.extend(
             kernel
                 .difference(&desired)
@@ -428,7 +505,12 @@ impl Backend for NftablesBackend {
         ProxyMode::Nftables
     }
 
-    fn sync(&mut self, snapshot: &DualSnapshot, changes: &Changes, full: bool) -> Result<SyncStats, BackendError> {
+    fn sync(
+        &mut self,
+        snapshot: &DualSnapshot,
+        changes: &Changes,
+        full: bool,
+    ) -> Result<SyncStats, BackendError> {
         let mut total: Option<SyncStats> = None;
         for i in 0..self.tables.len() {
             let table = &mut self.tables[i];
@@ -458,7 +540,11 @@ impl Backend for NftablesBackend {
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {
-        snapshot.families().iter().map(|s| render::full(s, &self.settings).text()).collect()
+        snapshot
+            .families()
+            .iter()
+            .map(|s| render::full(s, &self.settings).text())
+            .collect()
     }
 
     fn set_bypass(&mut self, bypassed: bool) -> Result<(), BackendError> {

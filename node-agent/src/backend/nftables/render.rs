@@ -22,7 +22,9 @@ use std::{
     net::IpAddr,
 };
 
-use super::ir::{BaseChain, Chain, Element, Expr, Hook, Key, KeyType, Rule, Ruleset, SetDef, Slot, Verdict, loopback};
+use super::ir::{
+    BaseChain, Chain, Element, Expr, Hook, Key, KeyType, Rule, Ruleset, SetDef, Slot, Verdict, loopback,
+};
 use crate::{
     backend::{Settings, names},
     model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot, categorize},
@@ -78,15 +80,26 @@ pub struct Fragment {
 }
 
 fn base_chain(name: &str, nat: bool, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
-    Chain { name: name.into(), base: Some(BaseChain { nat, hook, priority }), rules }
+    Chain {
+        name: name.into(),
+        base: Some(BaseChain { nat, hook, priority }),
+        rules,
+    }
 }
 
 fn chain(name: &str, rules: Vec<Rule>) -> Chain {
-    Chain { name: name.into(), base: None, rules }
+    Chain {
+        name: name.into(),
+        base: None,
+        rules,
+    }
 }
 
 fn jump_new(target: &str) -> Rule {
-    Rule::new(vec![Expr::CtStateNew, Expr::Verdict(Verdict::Jump(target.into()))])
+    Rule::new(vec![
+        Expr::CtStateNew,
+        Expr::Verdict(Verdict::Jump(target.into())),
+    ])
 }
 
 /// The fixed part of `family`'s table: sets, maps, base chains and dispatch chains.
@@ -101,22 +114,78 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
     };
     let mut sets_defs = vec![
         set(CLUSTER_IPS, KeyType::Addr, false, Some("Active ClusterIPs")),
-        set(SERVICE_IPS, KeyType::AddrProtoPort, true, Some("ClusterIP, ExternalIP and LoadBalancer IP traffic")),
-        set(SERVICE_NODEPORTS, KeyType::ProtoPort, true, Some("NodePort traffic")),
-        set(NO_ENDPOINT_SERVICES, KeyType::AddrProtoPort, true, Some("vmap to drop or reject packets to services with no endpoints")),
-        set(NO_ENDPOINT_NODEPORTS, KeyType::ProtoPort, true, Some("vmap to drop or reject packets to service nodeports with no endpoints")),
-        set(FIREWALL_IPS, KeyType::AddrProtoPort, true, Some("destinations that are subject to LoadBalancerSourceRanges")),
-        set(HAIRPIN, KeyType::AddrAddr, false, Some("local endpoints reaching themselves through a service")),
-        set(MASQUERADE_IPS, KeyType::AddrProtoPort, false, Some("external and LoadBalancer IP traffic to masquerade")),
-        set(MASQUERADE_NODEPORTS, KeyType::ProtoPort, false, Some("NodePort traffic to masquerade")),
+        set(
+            SERVICE_IPS,
+            KeyType::AddrProtoPort,
+            true,
+            Some("ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+        ),
+        set(
+            SERVICE_NODEPORTS,
+            KeyType::ProtoPort,
+            true,
+            Some("NodePort traffic"),
+        ),
+        set(
+            NO_ENDPOINT_SERVICES,
+            KeyType::AddrProtoPort,
+            true,
+            Some("vmap to drop or reject packets to services with no endpoints"),
+        ),
+        set(
+            NO_ENDPOINT_NODEPORTS,
+            KeyType::ProtoPort,
+            true,
+            Some("vmap to drop or reject packets to service nodeports with no endpoints"),
+        ),
+        set(
+            FIREWALL_IPS,
+            KeyType::AddrProtoPort,
+            true,
+            Some("destinations that are subject to LoadBalancerSourceRanges"),
+        ),
+        set(
+            HAIRPIN,
+            KeyType::AddrAddr,
+            false,
+            Some("local endpoints reaching themselves through a service"),
+        ),
+        set(
+            MASQUERADE_IPS,
+            KeyType::AddrProtoPort,
+            false,
+            Some("external and LoadBalancer IP traffic to masquerade"),
+        ),
+        set(
+            MASQUERADE_NODEPORTS,
+            KeyType::ProtoPort,
+            false,
+            Some("NodePort traffic to masquerade"),
+        ),
     ];
     let mut elements = std::collections::BTreeMap::new();
     let nodeport_match: Vec<Expr> = match settings.node_port_addresses(family) {
         Some(addrs) => {
-            sets_defs.insert(1, set(NODEPORT_IPS, KeyType::Addr, false, Some("IPs that accept NodePort traffic")));
+            sets_defs.insert(
+                1,
+                set(
+                    NODEPORT_IPS,
+                    KeyType::Addr,
+                    false,
+                    Some("IPs that accept NodePort traffic"),
+                ),
+            );
             elements.insert(
                 NODEPORT_IPS.to_owned(),
-                addrs.into_iter().map(|a| Element { key: Key::Addr(a), verdict: None, dnat: None, comment: None }).collect(),
+                addrs
+                    .into_iter()
+                    .map(|a| Element {
+                        key: Key::Addr(a),
+                        verdict: None,
+                        dnat: None,
+                        comment: None,
+                    })
+                    .collect(),
             );
             vec![Expr::DaddrInSet(NODEPORT_IPS.into())]
         }
@@ -128,27 +197,98 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
     };
     let mark = settings.masquerade_mark;
     let chains = vec![
-        base_chain("filter-prerouting-pre-dnat", false, Hook::Prerouting, -110, vec![jump_new("firewall-check")]),
-        base_chain("filter-output-pre-dnat", false, Hook::Output, -110, vec![jump_new("firewall-check")]),
-        base_chain("filter-forward", false, Hook::Forward, 0, vec![jump_new("service-endpoints-check"), jump_new("cluster-ips-check")]),
-        base_chain("filter-input", false, Hook::Input, 0, vec![jump_new("nodeport-endpoints-check"), jump_new("service-endpoints-check")]),
-        base_chain("filter-output", false, Hook::Output, 0, vec![jump_new("service-endpoints-check"), jump_new("cluster-ips-check")]),
-        base_chain("nat-prerouting", true, Hook::Prerouting, -100, vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("services".into()))])]),
-        base_chain("nat-output", true, Hook::Output, -100, vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("services".into()))])]),
-        base_chain("nat-postrouting", true, Hook::Postrouting, 100, vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("masquerading".into()))])]),
-        chain("firewall-check", vec![Rule::new(vec![Expr::VmapDaddrProtoPort(FIREWALL_IPS.into())])]),
-        chain("service-endpoints-check", vec![Rule::new(vec![Expr::VmapDaddrProtoPort(NO_ENDPOINT_SERVICES.into())])]),
-        chain("nodeport-endpoints-check", vec![Rule::new(with(nodeport_match.clone(), Expr::VmapProtoPort(NO_ENDPOINT_NODEPORTS.into())))]),
+        base_chain(
+            "filter-prerouting-pre-dnat",
+            false,
+            Hook::Prerouting,
+            -110,
+            vec![jump_new("firewall-check")],
+        ),
+        base_chain(
+            "filter-output-pre-dnat",
+            false,
+            Hook::Output,
+            -110,
+            vec![jump_new("firewall-check")],
+        ),
+        base_chain(
+            "filter-forward",
+            false,
+            Hook::Forward,
+            0,
+            vec![jump_new("service-endpoints-check"), jump_new("cluster-ips-check")],
+        ),
+        base_chain(
+            "filter-input",
+            false,
+            Hook::Input,
+            0,
+            vec![
+                jump_new("nodeport-endpoints-check"),
+                jump_new("service-endpoints-check"),
+            ],
+        ),
+        base_chain(
+            "filter-output",
+            false,
+            Hook::Output,
+            0,
+            vec![jump_new("service-endpoints-check"), jump_new("cluster-ips-check")],
+        ),
+        base_chain(
+            "nat-prerouting",
+            true,
+            Hook::Prerouting,
+            -100,
+            vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("services".into()))])],
+        ),
+        base_chain(
+            "nat-output",
+            true,
+            Hook::Output,
+            -100,
+            vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("services".into()))])],
+        ),
+        base_chain(
+            "nat-postrouting",
+            true,
+            Hook::Postrouting,
+            100,
+            vec![Rule::new(vec![Expr::Verdict(Verdict::Jump(
+                "masquerading".into(),
+            ))])],
+        ),
+        chain(
+            "firewall-check",
+            vec![Rule::new(vec![Expr::VmapDaddrProtoPort(FIREWALL_IPS.into())])],
+        ),
+        chain(
+            "service-endpoints-check",
+            vec![Rule::new(vec![Expr::VmapDaddrProtoPort(
+                NO_ENDPOINT_SERVICES.into(),
+            )])],
+        ),
+        chain(
+            "nodeport-endpoints-check",
+            vec![Rule::new(with(
+                nodeport_match.clone(),
+                Expr::VmapProtoPort(NO_ENDPOINT_NODEPORTS.into()),
+            ))],
+        ),
         chain("cluster-ips-check", {
             let mut rules = fast_rejects(family, vec![Expr::DaddrInSet(CLUSTER_IPS.into())]);
             rules.push(
-                Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject]).comment("Reject traffic to invalid ports of ClusterIPs"),
+                Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject])
+                    .comment("Reject traffic to invalid ports of ClusterIPs"),
             );
             rules
         }),
         chain("reject-chain", {
             let mut rules = fast_rejects(family, vec![]);
-            rules.push(Rule::new(vec![Expr::Reject]).comment("helper for @no-endpoint-services / @no-endpoint-nodeports"));
+            rules.push(
+                Rule::new(vec![Expr::Reject])
+                    .comment("helper for @no-endpoint-services / @no-endpoint-nodeports"),
+            );
             rules
         }),
         chain("services", {
@@ -156,24 +296,42 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
             // service chain: a third fewer rules for the kernel to load and validate.
             let mut rules = Vec::new();
             if settings.masquerade_all {
-                rules.push(Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SetMarkOr(mark)]).comment("masquerade all ClusterIP traffic"));
+                rules.push(
+                    Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SetMarkOr(mark)])
+                        .comment("masquerade all ClusterIP traffic"),
+                );
             } else if let Some(cidr) = settings.cluster_cidr(family) {
                 rules.push(
-                    Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SaddrIn(cidr, true), Expr::SetMarkOr(mark)])
-                        .comment("masquerade ClusterIP traffic from outside the cluster"),
+                    Rule::new(vec![
+                        Expr::DaddrInSet(CLUSTER_IPS.into()),
+                        Expr::SaddrIn(cidr, true),
+                        Expr::SetMarkOr(mark),
+                    ])
+                    .comment("masquerade ClusterIP traffic from outside the cluster"),
                 );
             }
             rules.push(Rule::new(vec![Expr::VmapDaddrProtoPort(SERVICE_IPS.into())]));
-            rules.push(Rule::new(vec![Expr::DaddrProtoPortInSet(MASQUERADE_IPS.into()), Expr::SetMarkOr(mark)]));
-            rules.push(Rule::new(vec![Expr::Verdict(Verdict::Jump(dnat_chains::IPS.into()))]));
-            rules.push(Rule::new(with(nodeport_match, Expr::Verdict(Verdict::Jump("nodeports".into())))));
+            rules.push(Rule::new(vec![
+                Expr::DaddrProtoPortInSet(MASQUERADE_IPS.into()),
+                Expr::SetMarkOr(mark),
+            ]));
+            rules.push(Rule::new(vec![Expr::Verdict(Verdict::Jump(
+                dnat_chains::IPS.into(),
+            ))]));
+            rules.push(Rule::new(with(
+                nodeport_match,
+                Expr::Verdict(Verdict::Jump("nodeports".into())),
+            )));
             rules
         }),
         chain(
             "nodeports",
             vec![
                 Rule::new(vec![Expr::VmapProtoPort(SERVICE_NODEPORTS.into())]),
-                Rule::new(vec![Expr::ProtoPortInSet(MASQUERADE_NODEPORTS.into()), Expr::SetMarkOr(mark)]),
+                Rule::new(vec![
+                    Expr::ProtoPortInSet(MASQUERADE_NODEPORTS.into()),
+                    Expr::SetMarkOr(mark),
+                ]),
                 Rule::new(vec![Expr::Verdict(Verdict::Goto(dnat_chains::NODEPORTS.into()))]),
             ],
         ),
@@ -183,14 +341,23 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         chain(
             "masquerading",
             vec![
-                Rule::new(vec![Expr::CtStatusDnat, Expr::SaddrDaddrInSet(HAIRPIN.into()), Expr::Masquerade]),
+                Rule::new(vec![
+                    Expr::CtStatusDnat,
+                    Expr::SaddrDaddrInSet(HAIRPIN.into()),
+                    Expr::Masquerade,
+                ]),
                 Rule::new(vec![Expr::MarkUnset(mark), Expr::Verdict(Verdict::Return)]),
                 Rule::new(vec![Expr::SetMarkXor(mark)]),
                 Rule::new(vec![Expr::Masquerade]),
             ],
         ),
     ];
-    Ruleset { family, sets: sets_defs, elements, chains }
+    Ruleset {
+        family,
+        sets: sets_defs,
+        elements,
+        chains,
+    }
 }
 
 /// The [`crate::backend::fast_reject`] rule of `family`, after `matches`.
@@ -224,7 +391,11 @@ fn cascade(name: &ServicePortName, eps: &[&Endpoint], affinity: bool) -> Vec<Rul
             exprs.push(Expr::NumgenZero((n - j) as u32));
         }
         if affinity {
-            exprs.push(Expr::Verdict(Verdict::Goto(names::nft_endpoint_name("endpoint-", name, ep))));
+            exprs.push(Expr::Verdict(Verdict::Goto(names::nft_endpoint_name(
+                "endpoint-",
+                name,
+                ep,
+            ))));
         } else {
             exprs.push(Expr::L4Proto(name.protocol));
             exprs.push(Expr::Dnat(ep.ip, ep.port));
@@ -235,13 +406,26 @@ fn cascade(name: &ServicePortName, eps: &[&Endpoint], affinity: bool) -> Vec<Rul
 }
 
 /// Endpoint-map elements for `dest`: slot j of n DNATs to `eps[j]`.
-fn slots(set: &'static str, comment: &str, eps: &[&Endpoint], dest: impl Fn(Slot) -> Key) -> Vec<(&'static str, Element)> {
+fn slots(
+    set: &'static str,
+    comment: &str,
+    eps: &[&Endpoint],
+    dest: impl Fn(Slot) -> Key,
+) -> Vec<(&'static str, Element)> {
     let count = eps.len() as u32;
     (0..count)
         .zip(eps)
         .map(|(index, ep)| {
             let key = dest(Slot { index, count });
-            (set, Element { key, verdict: None, dnat: Some((ep.ip, ep.port)), comment: Some(comment.to_owned()) })
+            (
+                set,
+                Element {
+                    key,
+                    verdict: None,
+                    dnat: Some((ep.ip, ep.port)),
+                    comment: Some(comment.to_owned()),
+                },
+            )
         })
         .collect()
 }
@@ -252,9 +436,22 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     let name = &port.name;
     let comment = name.to_string();
     let cat = categorize(endpoints, &settings.node);
-    let mut frag = Fragment { endpoints: endpoints.len(), ..Default::default() };
-    let element = |key: Key, verdict: Option<Verdict>| Element { key, verdict, dnat: None, comment: Some(comment.clone()) };
-    let plain = |key: Key| Element { key, verdict: None, dnat: None, comment: None };
+    let mut frag = Fragment {
+        endpoints: endpoints.len(),
+        ..Default::default()
+    };
+    let element = |key: Key, verdict: Option<Verdict>| Element {
+        key,
+        verdict,
+        dnat: None,
+        comment: Some(comment.clone()),
+    };
+    let plain = |key: Key| Element {
+        key,
+        verdict: None,
+        dnat: None,
+        comment: None,
+    };
     let proto = name.protocol;
     let svc_chain = names::nft_service_chain("service-", name);
     let local_chain = names::nft_service_chain("local-", name);
@@ -266,20 +463,27 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     // served from endpoint maps.
     let chained = affinity || (port.external_policy_local && port.externally_accessible());
 
-    frag.elements.push((CLUSTER_IPS, plain(Key::Addr(port.cluster_ip))));
+    frag.elements
+        .push((CLUSTER_IPS, plain(Key::Addr(port.cluster_ip))));
 
     let has_cluster = !cat.cluster.is_empty();
     let has_local = !cat.local.is_empty();
     let blocked = |usable_somewhere: bool| {
-        if usable_somewhere { Verdict::Drop } else { Verdict::Goto("reject-chain".into()) }
+        if usable_somewhere {
+            Verdict::Drop
+        } else {
+            Verdict::Goto("reject-chain".into())
+        }
     };
 
     // Chains.
     if chained && has_cluster {
-        frag.chains.push(chain(&svc_chain, cascade(name, &cat.cluster, affinity)));
+        frag.chains
+            .push(chain(&svc_chain, cascade(name, &cat.cluster, affinity)));
     }
     if chained && (port.internal_policy_local || port.external_policy_local) && has_local {
-        frag.chains.push(chain(&local_chain, cascade(name, &cat.local, affinity)));
+        frag.chains
+            .push(chain(&local_chain, cascade(name, &cat.local, affinity)));
     }
     if affinity {
         let timeout = port.affinity_timeout_seconds;
@@ -288,10 +492,20 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         eps.dedup();
         for ep in eps {
             let set_name = names::nft_endpoint_name("affinity-", name, ep);
-            frag.sets.push(SetDef { name: set_name.clone(), key: KeyType::Addr, verdict_map: false, timeout_seconds: timeout, comment: None });
+            frag.sets.push(SetDef {
+                name: set_name.clone(),
+                key: KeyType::Addr,
+                verdict_map: false,
+                timeout_seconds: timeout,
+                comment: None,
+            });
             frag.chains.push(chain(
                 &names::nft_endpoint_name("endpoint-", name, ep),
-                vec![Rule::new(vec![Expr::UpdateSaddr(set_name), Expr::L4Proto(proto), Expr::Dnat(ep.ip, ep.port)])],
+                vec![Rule::new(vec![
+                    Expr::UpdateSaddr(set_name),
+                    Expr::L4Proto(proto),
+                    Expr::Dnat(ep.ip, ep.port),
+                ])],
             ));
         }
     }
@@ -311,26 +525,51 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
     };
     let cluster_key = Key::AddrProtoPort(port.cluster_ip, proto, port.port);
     if !internal_ok {
-        frag.elements.push((NO_ENDPOINT_SERVICES, element(cluster_key, Some(blocked(cat.has_any)))));
+        frag.elements.push((
+            NO_ENDPOINT_SERVICES,
+            element(cluster_key, Some(blocked(cat.has_any))),
+        ));
     } else if chained {
-        frag.elements.push((SERVICE_IPS, element(cluster_key, Some(Verdict::Goto(internal_chain.clone())))));
+        frag.elements.push((
+            SERVICE_IPS,
+            element(cluster_key, Some(Verdict::Goto(internal_chain.clone()))),
+        ));
     } else {
-        frag.elements.extend(slots(IP_ENDPOINTS, &comment, internal_eps, |s| Key::AddrProtoPortSlot(port.cluster_ip, proto, port.port, s)));
+        frag.elements
+            .extend(slots(IP_ENDPOINTS, &comment, internal_eps, |s| {
+                Key::AddrProtoPortSlot(port.cluster_ip, proto, port.port, s)
+            }));
     }
 
     // External destinations: externalIPs, LB IPs, NodePort.
     if !port.externally_accessible() {
         return frag;
     }
-    let external_ok = if port.external_policy_local { has_local } else { has_cluster };
-    let external_ips: Vec<IpAddr> = port.external_ips.iter().chain(port.load_balancer_ips.iter()).copied().collect();
-    let external_keys: Vec<Key> = external_ips.iter().map(|ip| Key::AddrProtoPort(*ip, proto, port.port)).collect();
+    let external_ok = if port.external_policy_local {
+        has_local
+    } else {
+        has_cluster
+    };
+    let external_ips: Vec<IpAddr> = port
+        .external_ips
+        .iter()
+        .chain(port.load_balancer_ips.iter())
+        .copied()
+        .collect();
+    let external_keys: Vec<Key> = external_ips
+        .iter()
+        .map(|ip| Key::AddrProtoPort(*ip, proto, port.port))
+        .collect();
     if !external_ok {
         for key in external_keys {
-            frag.elements.push((NO_ENDPOINT_SERVICES, element(key, Some(blocked(cat.has_any)))));
+            frag.elements
+                .push((NO_ENDPOINT_SERVICES, element(key, Some(blocked(cat.has_any)))));
         }
         if let Some(np) = port.node_port {
-            frag.elements.push((NO_ENDPOINT_NODEPORTS, element(Key::ProtoPort(proto, np), Some(blocked(cat.has_any)))));
+            frag.elements.push((
+                NO_ENDPOINT_NODEPORTS,
+                element(Key::ProtoPort(proto, np), Some(blocked(cat.has_any))),
+            ));
         }
         return frag;
     }
@@ -339,15 +578,24 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         if port.external_policy_local {
             if let (Some(cidr), true) = (settings.cluster_cidr(port.family()), has_cluster) {
                 ext_rules.push(
-                    Rule::new(vec![Expr::SaddrIn(cidr, false), Expr::Verdict(Verdict::Goto(svc_chain.clone()))])
-                        .comment("short-circuit pod traffic"),
+                    Rule::new(vec![
+                        Expr::SaddrIn(cidr, false),
+                        Expr::Verdict(Verdict::Goto(svc_chain.clone())),
+                    ])
+                    .comment("short-circuit pod traffic"),
                 );
             }
             if has_cluster {
-                ext_rules.push(Rule::new(vec![Expr::FibSaddrLocal, Expr::SetMarkOr(mark)]).comment("masquerade local traffic"));
                 ext_rules.push(
-                    Rule::new(vec![Expr::FibSaddrLocal, Expr::Verdict(Verdict::Goto(svc_chain.clone()))])
-                        .comment("short-circuit local traffic"),
+                    Rule::new(vec![Expr::FibSaddrLocal, Expr::SetMarkOr(mark)])
+                        .comment("masquerade local traffic"),
+                );
+                ext_rules.push(
+                    Rule::new(vec![
+                        Expr::FibSaddrLocal,
+                        Expr::Verdict(Verdict::Goto(svc_chain.clone())),
+                    ])
+                    .comment("short-circuit local traffic"),
                 );
             }
             ext_rules.push(Rule::new(vec![Expr::Verdict(Verdict::Goto(local_chain.clone()))]));
@@ -357,20 +605,31 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         }
         frag.chains.push(chain(&ext_chain, ext_rules));
         for key in external_keys {
-            frag.elements.push((SERVICE_IPS, element(key, Some(Verdict::Goto(ext_chain.clone())))));
+            frag.elements
+                .push((SERVICE_IPS, element(key, Some(Verdict::Goto(ext_chain.clone())))));
         }
         if let Some(np) = port.node_port {
-            frag.elements.push((SERVICE_NODEPORTS, element(Key::ProtoPort(proto, np), Some(Verdict::Goto(ext_chain.clone())))));
+            frag.elements.push((
+                SERVICE_NODEPORTS,
+                element(Key::ProtoPort(proto, np), Some(Verdict::Goto(ext_chain.clone()))),
+            ));
         }
     } else {
         // externalTrafficPolicy=Cluster: masquerade, then any endpoint.
         for (ip, key) in external_ips.iter().zip(external_keys) {
             frag.elements.push((MASQUERADE_IPS, plain(key)));
-            frag.elements.extend(slots(IP_ENDPOINTS, &comment, &cat.cluster, |s| Key::AddrProtoPortSlot(*ip, proto, port.port, s)));
+            frag.elements
+                .extend(slots(IP_ENDPOINTS, &comment, &cat.cluster, |s| {
+                    Key::AddrProtoPortSlot(*ip, proto, port.port, s)
+                }));
         }
         if let Some(np) = port.node_port {
-            frag.elements.push((MASQUERADE_NODEPORTS, plain(Key::ProtoPort(proto, np))));
-            frag.elements.extend(slots(NODEPORT_ENDPOINTS, &comment, &cat.cluster, |s| Key::ProtoPortSlot(proto, np, s)));
+            frag.elements
+                .push((MASQUERADE_NODEPORTS, plain(Key::ProtoPort(proto, np))));
+            frag.elements
+                .extend(slots(NODEPORT_ENDPOINTS, &comment, &cat.cluster, |s| {
+                    Key::ProtoPortSlot(proto, np, s)
+                }));
         }
     }
     if port.has_source_ranges() && !port.load_balancer_ips.is_empty() {
@@ -379,11 +638,14 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
             .iter()
             .map(|r| Rule::new(vec![Expr::SaddrIn(*r, false), Expr::Verdict(Verdict::Return)]))
             .collect();
-        rules.push(Rule::new(vec![Expr::Verdict(Verdict::Drop)]).comment("source not in loadBalancerSourceRanges"));
+        rules.push(
+            Rule::new(vec![Expr::Verdict(Verdict::Drop)]).comment("source not in loadBalancerSourceRanges"),
+        );
         frag.chains.push(chain(&fw_chain, rules));
         for ip in &port.load_balancer_ips {
             let key = Key::AddrProtoPort(*ip, proto, port.port);
-            frag.elements.push((FIREWALL_IPS, element(key, Some(Verdict::Goto(fw_chain.clone())))));
+            frag.elements
+                .push((FIREWALL_IPS, element(key, Some(Verdict::Goto(fw_chain.clone())))));
         }
     }
     frag
@@ -404,7 +666,10 @@ pub fn endpoint_map_name(kind: &str, count: u32) -> String {
 
 /// The endpoint maps (kind, endpoint count) a fragment fills.
 pub fn endpoint_maps(frag: &Fragment) -> BTreeSet<(&'static str, u32)> {
-    frag.elements.iter().filter_map(|(set, e)| e.key.slot().map(|s| (*set, s.count))).collect()
+    frag.elements
+        .iter()
+        .filter_map(|(set, e)| e.key.slot().map(|s| (*set, s.count)))
+        .collect()
 }
 
 /// The definition of an endpoint map.
@@ -412,7 +677,10 @@ pub fn endpoint_map(kind: &'static str, count: u32) -> SetDef {
     let (key, what) = if kind == sets::NODEPORT_ENDPOINTS {
         (KeyType::ProtoPortSlot(count), "NodePort")
     } else {
-        (KeyType::AddrProtoPortSlot(count), "ClusterIP, external and LoadBalancer IP")
+        (
+            KeyType::AddrProtoPortSlot(count),
+            "ClusterIP, external and LoadBalancer IP",
+        )
     };
     SetDef {
         name: endpoint_map_name(kind, count),
@@ -425,7 +693,11 @@ pub fn endpoint_map(kind: &'static str, count: u32) -> SetDef {
 
 /// The chain reading a kind of endpoint maps.
 pub fn dnat_chain(kind: &str) -> &'static str {
-    if kind == sets::NODEPORT_ENDPOINTS { dnat_chains::NODEPORTS } else { dnat_chains::IPS }
+    if kind == sets::NODEPORT_ENDPOINTS {
+        dnat_chains::NODEPORTS
+    } else {
+        dnat_chains::IPS
+    }
 }
 
 /// The rules of a DNAT chain: one per endpoint map in use, fewest endpoints first.
@@ -461,7 +733,10 @@ pub fn merge(ruleset: &mut Ruleset, frag: &Fragment) {
     ruleset.chains.extend(frag.chains.iter().cloned());
     ruleset.sets.extend(frag.sets.iter().cloned());
     for (set, e) in &frag.elements {
-        let list = ruleset.elements.entry(element_set(set, &e.key).into_owned()).or_default();
+        let list = ruleset
+            .elements
+            .entry(element_set(set, &e.key).into_owned())
+            .or_default();
         if !list.iter().any(|x| x.key == e.key) {
             list.push(e.clone());
         }
@@ -474,7 +749,17 @@ pub fn full(snapshot: &Snapshot, settings: &Settings) -> Ruleset {
     let fragments: Vec<Fragment> = snapshot
         .services
         .iter()
-        .map(|(name, port)| service(port, snapshot.endpoints.get(name).map(Vec::as_slice).unwrap_or_default(), settings))
+        .map(|(name, port)| {
+            service(
+                port,
+                snapshot
+                    .endpoints
+                    .get(name)
+                    .map(Vec::as_slice)
+                    .unwrap_or_default(),
+                settings,
+            )
+        })
         .collect();
     let mut maps = EndpointMaps::new();
     for m in fragments.iter().flat_map(endpoint_maps) {

@@ -15,7 +15,9 @@ use nix::sched::{CloneFlags, setns};
 use super::*;
 use crate::{
     backend::Backend,
-    model::{DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServicePort, ServicePortName, fixtures},
+    model::{
+        DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServicePort, ServicePortName, fixtures,
+    },
 };
 
 /// A network namespace for one test, deleted on drop.
@@ -24,8 +26,15 @@ pub(crate) struct TestNetns(pub String);
 impl TestNetns {
     pub(crate) fn new(tag: &str) -> Self {
         let name = format!("swyu{}-{tag}", std::process::id());
-        let _ = std::process::Command::new("ip").args(["netns", "del", &name]).stderr(std::process::Stdio::null()).status();
-        let ok = std::process::Command::new("ip").args(["netns", "add", &name]).status().expect("ip").success();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &name])
+            .stderr(std::process::Stdio::null())
+            .status();
+        let ok = std::process::Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .expect("ip")
+            .success();
         assert!(ok, "ip netns add {name}");
         Self(name)
     }
@@ -43,15 +52,25 @@ impl TestNetns {
     }
 
     pub(crate) fn sh(&self, args: &[&str]) -> String {
-        let out = std::process::Command::new("ip").args(["netns", "exec", &self.0]).args(args).output().expect("run");
-        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", &self.0])
+            .args(args)
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
 
 impl Drop for TestNetns {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).status();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
     }
 }
 
@@ -79,17 +98,29 @@ fn addr(family: IpFamily, a: [u8; 4]) -> IpAddr {
 
 /// The scenario in both families, as a dual-stack cluster has it.
 fn dual_scenario() -> (DualSnapshot, Settings) {
-    (DualSnapshot { v4: scenario_of(IpFamily::V4), v6: scenario_of(IpFamily::V6) }, settings())
+    (
+        DualSnapshot {
+            v4: scenario_of(IpFamily::V4),
+            v6: scenario_of(IpFamily::V6),
+        },
+        settings(),
+    )
 }
 
 fn settings() -> Settings {
     Settings {
         node: NodeInfo {
             name: "node-1".into(),
-            addresses: vec![addr(IpFamily::V4, [10, 250, 0, 11]), addr(IpFamily::V6, [10, 250, 0, 11])],
+            addresses: vec![
+                addr(IpFamily::V4, [10, 250, 0, 11]),
+                addr(IpFamily::V6, [10, 250, 0, 11]),
+            ],
             zone: None,
         },
-        cluster_cidrs: vec!["10.244.0.0/16".parse().expect("cidr"), "fd00:10:244::/48".parse().expect("cidr")],
+        cluster_cidrs: vec![
+            "10.244.0.0/16".parse().expect("cidr"),
+            "fd00:10:244::/48".parse().expect("cidr"),
+        ],
         masquerade_all: false,
         node_port_addresses: Default::default(),
         masquerade_mark: 0x4000,
@@ -99,7 +130,8 @@ fn settings() -> Settings {
 
 fn scenario_of(family: IpFamily) -> Snapshot {
     let port = |n: ServicePortName, cip: [u8; 4], p: u16| fixtures::cluster_ip(n, addr(family, cip), p);
-    let ep = |ip: [u8; 4], port: u16, node: &str| -> Endpoint { fixtures::ready(addr(family, ip), port, node) };
+    let ep =
+        |ip: [u8; 4], port: u16, node: &str| -> Endpoint { fixtures::ready(addr(family, ip), port, node) };
     let mut s = Snapshot::new(family);
     let mut add = |p: ServicePort, eps: Vec<Endpoint>| {
         if !eps.is_empty() {
@@ -108,11 +140,18 @@ fn scenario_of(family: IpFamily) -> Snapshot {
         s.services.insert(p.name.clone(), p);
     };
     // ClusterIP, one endpoint, TCP.
-    add(port(name("default", "one", "http", Protocol::Tcp), [10, 96, 0, 11], 80), vec![ep([10, 244, 2, 11], 8080, "node-2")]);
+    add(
+        port(name("default", "one", "http", Protocol::Tcp), [10, 96, 0, 11], 80),
+        vec![ep([10, 244, 2, 11], 8080, "node-2")],
+    );
     // Three endpoints, one local (hairpin), UDP.
     add(
         port(name("default", "dns", "dns", Protocol::Udp), [10, 96, 0, 10], 53),
-        vec![ep([10, 244, 1, 11], 53, "node-1"), ep([10, 244, 2, 11], 53, "node-2"), ep([10, 244, 3, 11], 53, "node-3")],
+        vec![
+            ep([10, 244, 1, 11], 53, "node-1"),
+            ep([10, 244, 2, 11], 53, "node-2"),
+            ep([10, 244, 3, 11], 53, "node-3"),
+        ],
     );
     // NodePort + externalIP, SCTP.
     let mut np = port(name("default", "np", "", Protocol::Sctp), [10, 96, 0, 12], 9000);
@@ -130,7 +169,13 @@ fn scenario_of(family: IpFamily) -> Snapshot {
     lb.load_balancer_source_ranges = vec![range.parse::<IpNet>().expect("net")];
     lb.external_policy_local = true;
     lb.health_check_node_port = Some(31000);
-    add(lb, vec![ep([10, 244, 1, 13], 8443, "node-1"), ep([10, 244, 2, 13], 8443, "node-2")]);
+    add(
+        lb,
+        vec![
+            ep([10, 244, 1, 13], 8443, "node-1"),
+            ep([10, 244, 2, 13], 8443, "node-2"),
+        ],
+    );
     // ETP=Local without local endpoints.
     let mut remote = port(name("web", "remote", "", Protocol::Tcp), [10, 96, 0, 14], 80);
     remote.node_port = Some(30080);
@@ -143,24 +188,43 @@ fn scenario_of(family: IpFamily) -> Snapshot {
     // ClientIP affinity, two endpoints.
     let mut aff = port(name("web", "sticky", "", Protocol::Tcp), [10, 96, 0, 16], 80);
     aff.affinity_timeout_seconds = Some(600);
-    add(aff, vec![ep([10, 244, 1, 16], 80, "node-1"), ep([10, 244, 2, 16], 80, "node-2")]);
+    add(
+        aff,
+        vec![
+            ep([10, 244, 1, 16], 80, "node-1"),
+            ep([10, 244, 2, 16], 80, "node-2"),
+        ],
+    );
     // No endpoints at all, and only a terminating one (fallback).
-    add(port(name("web", "empty", "", Protocol::Tcp), [10, 96, 0, 17], 80), vec![]);
+    add(
+        port(name("web", "empty", "", Protocol::Tcp), [10, 96, 0, 17], 80),
+        vec![],
+    );
     let mut term = ep([10, 244, 2, 18], 80, "node-2");
     term.ready = false;
     term.terminating = true;
-    add(port(name("web", "terminating", "", Protocol::Tcp), [10, 96, 0, 18], 80), vec![term]);
+    add(
+        port(name("web", "terminating", "", Protocol::Tcp), [10, 96, 0, 18], 80),
+        vec![term],
+    );
     s
 }
 
 fn golden(file: &str, actual: &str) {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/backend/nftables/testdata").join(file);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("src/backend/nftables/testdata")
+        .join(file);
     if std::env::var_os("SWITCHYARD_UPDATE_GOLDEN").is_some() {
         std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
         std::fs::write(&path, actual).expect("write golden");
     }
     let want = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing golden {}", path.display()));
-    assert_eq!(actual, want, "{} differs (SWITCHYARD_UPDATE_GOLDEN=1 rewrites it)", path.display());
+    assert_eq!(
+        actual,
+        want,
+        "{} differs (SWITCHYARD_UPDATE_GOLDEN=1 rewrites it)",
+        path.display()
+    );
 }
 
 #[test]
@@ -181,7 +245,11 @@ fn kernel_lists_exactly_the_golden_ruleset_and_matches_nft_of_our_text() {
     let ns = TestNetns::new("nft-golden");
     let (s2, set2) = (snap.clone(), settings.clone());
     let stats = ns
-        .run(move || NftablesBackend::new(set2).sync(&s2, &Changes::default(), true).map_err(|e| e.to_string()))
+        .run(move || {
+            NftablesBackend::new(set2)
+                .sync(&s2, &Changes::default(), true)
+                .map_err(|e| e.to_string())
+        })
         .expect("full sync");
     assert_eq!(stats.services, snap.v4.services.len() + snap.v6.services.len());
     let listed = list(&ns, IpFamily::V4);
@@ -211,7 +279,10 @@ fn sorted_blocks(listing: &str) -> Vec<String> {
             if line == "\t}" {
                 blocks.extend(current.take());
             }
-        } else if ["\tset ", "\tmap ", "\tchain "].iter().any(|p| line.starts_with(p)) {
+        } else if ["\tset ", "\tmap ", "\tchain "]
+            .iter()
+            .any(|p| line.starts_with(p))
+        {
             current = Some(format!("{line}\n"));
         }
     }
@@ -227,7 +298,9 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     let (s1, backend_full) = ns.run({
         let snap = snap.clone();
         move || {
-            let stats = backend.sync(&snap, &Changes::default(), true).map_err(|e| e.to_string());
+            let stats = backend
+                .sync(&snap, &Changes::default(), true)
+                .map_err(|e| e.to_string());
             (stats, backend)
         }
     });
@@ -236,8 +309,18 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
 
     // In both families: change one service (drop an endpoint of dns) and delete another
     // (sticky); in IPv6 only, delete a third (one), as when a Service becomes single-stack.
-    let key = |s: &Snapshot, svc: &str| s.services.keys().find(|k| k.service.name == svc).expect("service").clone();
-    let (dns, sticky, one) = (key(&snap.v4, "dns"), key(&snap.v4, "sticky"), key(&snap.v4, "one"));
+    let key = |s: &Snapshot, svc: &str| {
+        s.services
+            .keys()
+            .find(|k| k.service.name == svc)
+            .expect("service")
+            .clone()
+    };
+    let (dns, sticky, one) = (
+        key(&snap.v4, "dns"),
+        key(&snap.v4, "sticky"),
+        key(&snap.v4, "one"),
+    );
     for s in [&mut snap.v4, &mut snap.v6] {
         s.endpoints.get_mut(&dns).expect("eps").pop();
         s.services.remove(&sticky);
@@ -245,7 +328,12 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     }
     snap.v6.services.remove(&one);
     snap.v6.endpoints.remove(&one);
-    let changes = Changes { services: [&dns, &sticky, &one].into_iter().map(|k| k.service.clone()).collect() };
+    let changes = Changes {
+        services: [&dns, &sticky, &one]
+            .into_iter()
+            .map(|k| k.service.clone())
+            .collect(),
+    };
     let (partial, backend2) = ns.run({
         let snap = snap.clone();
         move || {
@@ -255,19 +343,47 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     });
     let partial = partial.expect("partial sync");
     assert!(!partial.full);
-    assert!(partial.objects_written * 4 < full.objects_written, "partial {partial:?} vs full {full:?}");
+    assert!(
+        partial.objects_written * 4 < full.objects_written,
+        "partial {partial:?} vs full {full:?}"
+    );
     let (listed, listed6) = (list(&ns, IpFamily::V4), list(&ns, IpFamily::V6));
-    assert!(!listed.contains("10.244.3.11") && !listed6.contains("fd00:10:244:3::11"), "removed endpoint still programmed");
-    assert!(!listed.contains("web/sticky") && !listed6.contains("web/sticky"), "deleted service still has chains or sets");
-    assert!(!listed.contains("10.96.0.16") && !listed6.contains("fd00:10:96::16"), "deleted service still in maps");
-    assert!(listed.contains("10.96.0.11") && !listed6.contains("fd00:10:96::11"), "single-stack change");
+    assert!(
+        !listed.contains("10.244.3.11") && !listed6.contains("fd00:10:244:3::11"),
+        "removed endpoint still programmed"
+    );
+    assert!(
+        !listed.contains("web/sticky") && !listed6.contains("web/sticky"),
+        "deleted service still has chains or sets"
+    );
+    assert!(
+        !listed.contains("10.96.0.16") && !listed6.contains("fd00:10:96::16"),
+        "deleted service still in maps"
+    );
+    assert!(
+        listed.contains("10.96.0.11") && !listed6.contains("fd00:10:96::11"),
+        "single-stack change"
+    );
     // The result equals a fresh full render of the new snapshot.
     let oracle = TestNetns::new("nft-partial-oracle");
     let s3 = snap.clone();
     let set3 = settings.clone();
-    oracle.run(move || NftablesBackend::new(set3).sync(&s3, &Changes::default(), true).map(|_| ()).map_err(|e| e.to_string())).expect("oracle");
-    assert_eq!(sorted_blocks(&listed), sorted_blocks(&list(&oracle, IpFamily::V4)));
-    assert_eq!(sorted_blocks(&listed6), sorted_blocks(&list(&oracle, IpFamily::V6)));
+    oracle
+        .run(move || {
+            NftablesBackend::new(set3)
+                .sync(&s3, &Changes::default(), true)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .expect("oracle");
+    assert_eq!(
+        sorted_blocks(&listed),
+        sorted_blocks(&list(&oracle, IpFamily::V4))
+    );
+    assert_eq!(
+        sorted_blocks(&listed6),
+        sorted_blocks(&list(&oracle, IpFamily::V6))
+    );
 
     let mut backend = backend2;
     ns.run(move || {
@@ -287,13 +403,27 @@ fn services_without_affinity_or_local_external_policy_are_map_elements_only() {
         for (name, port) in &snap.services {
             let eps = snap.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
             let frag = render::service(port, eps, &settings);
-            let chained = port.affinity_timeout_seconds.is_some() || (port.external_policy_local && port.externally_accessible());
-            let jumps = frag.elements.iter().filter(|(_, e)| matches!(e.verdict, Some(ir::Verdict::Goto(_) | ir::Verdict::Jump(_))));
-            let jumps: Vec<_> = jumps.filter(|(_, e)| e.verdict != Some(ir::Verdict::Goto("reject-chain".into()))).collect();
-            assert_eq!(chained, !frag.chains.is_empty() || !jumps.is_empty(), "{name}: {frag:?}");
+            let chained = port.affinity_timeout_seconds.is_some()
+                || (port.external_policy_local && port.externally_accessible());
+            let jumps = frag
+                .elements
+                .iter()
+                .filter(|(_, e)| matches!(e.verdict, Some(ir::Verdict::Goto(_) | ir::Verdict::Jump(_))));
+            let jumps: Vec<_> = jumps
+                .filter(|(_, e)| e.verdict != Some(ir::Verdict::Goto("reject-chain".into())))
+                .collect();
+            assert_eq!(
+                chained,
+                !frag.chains.is_empty() || !jumps.is_empty(),
+                "{name}: {frag:?}"
+            );
         }
         // Slot j of n DNATs to endpoint j, in the map for n endpoints.
-        let dns = snap.services.keys().find(|k| k.service.name == "dns").expect("dns");
+        let dns = snap
+            .services
+            .keys()
+            .find(|k| k.service.name == "dns")
+            .expect("dns");
         let frag = render::service(&snap.services[dns], &snap.endpoints[dns], &settings);
         let slots: Vec<(String, ir::Key)> = frag
             .elements
@@ -302,6 +432,11 @@ fn services_without_affinity_or_local_external_policy_are_map_elements_only() {
             .map(|(set, e)| (render::element_set(set, &e.key).into_owned(), e.key.clone()))
             .collect();
         assert_eq!(slots.len(), 3);
-        assert!(slots.iter().all(|(set, k)| set == "ip-endpoints-3" && k.slot().is_some_and(|s| s.count == 3)), "{slots:?}");
+        assert!(
+            slots
+                .iter()
+                .all(|(set, k)| set == "ip-endpoints-3" && k.slot().is_some_and(|s| s.count == 3)),
+            "{slots:?}"
+        );
     }
 }
