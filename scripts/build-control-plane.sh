@@ -23,6 +23,10 @@ command -v go >/dev/null 2>&1 || { echo "switchyard: Go toolchain not found: can
 export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
 export GOPATH="$cache/go" GOMODCACHE="$cache/go/mod" GOCACHE="$cache/go/build-cache"
 
+# The control plane (apiserver, controller-manager, scheduler), kubectl, and the node tier's
+# kubelet; one module set-up, so the shared packages compile once.
+KUBE_COMMANDS="kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet"
+
 log() { echo "[build-control-plane $(date +%H:%M:%S)] $*" >&2; }
 fail_registry() { echo "switchyard: cannot fetch $1 from the Go module registry (no network or registry unavailable): see $2" >&2; exit 1; }
 
@@ -43,8 +47,10 @@ MOD
 
 build_kube() {
   local dir="$cache/gobuild/kubernetes-$KUBERNETES_VERSION"
-  [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kubectl" ] && return 0
-  log "building kube-apiserver and kubectl $KUBERNETES_VERSION (cold build: 10+ minutes on 2 cores)"
+  local cmd missing=0
+  for cmd in $KUBE_COMMANDS; do [ -x "$bin/$cmd" ] || missing=1; done
+  [ "$missing" = 0 ] && return 0
+  log "building $KUBE_COMMANDS $KUBERNETES_VERSION (cold build: 10+ minutes on 2 cores)"
   mkdir -p "$dir"
   local modfile
   modfile=$(cd "$dir" && printf 'module switchyard.local/x\ngo 1.25\n' > go.mod && go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" 2>"$dir/download.log" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p') || true
@@ -59,8 +65,7 @@ build_kube() {
     sed -n '/^replace (/,/^)/p' "$modfile" | sed -n "s#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\t\1 => \1 $staging#p"
     echo ")"
   } > "$dir/go.mod"
-  local cmd
-  for cmd in kube-apiserver kubectl; do
+  for cmd in $KUBE_COMMANDS; do
     [ -x "$bin/$cmd" ] && continue
     local minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
     local ldflags="-s -w"
