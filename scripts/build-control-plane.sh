@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds etcd, kube-apiserver, kubectl and helm with Go from the Go module registry into a cache
-# directory outside git (default ~/.cache/switchyard), reusing binaries already built.
-# Prints the bin directory on its last line of stdout (helm is linked into it as `helm`).
+# directory outside git (default ~/.cache/switchyard), reusing binaries already built; for the
+# real-node test tier also kube-controller-manager, kube-scheduler, kubelet, containerd (with its
+# runc shim and ctr), crictl and the pods' sandbox ("pause") binary.
+# Prints the bin directory on its last line of stdout (helm and the node tier's binaries are linked
+# into it).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
@@ -12,6 +15,8 @@ cache=${SWITCHYARD_CACHE:-$HOME/.cache/switchyard}
 RECIPE=2
 # Same for helm (bumping it rebuilds only helm).
 HELM_RECIPE=1
+# Same for the node tier's containerd, crictl and pause.
+NODE_RECIPE=1
 bin="$cache/bin/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-r$RECIPE"
 mkdir -p "$bin"
 
@@ -108,7 +113,52 @@ MOD
   [ "$(readlink "$bin/helm" 2>/dev/null)" = "$out" ] || ln -sfn "$out" "$bin/helm"
 }
 
+build_node() {
+  # containerd, its runc shim, ctr and crictl (static, CGO off: the btrfs snapshotter, which needs
+  # cgo, drops out by its build constraint), and the sandbox binary from scripts/pause; in a
+  # directory of their own versions, linked into $bin like helm.
+  local nbin="$cache/bin/node-containerd-$CONTAINERD_VERSION-crictl-$CRICTL_VERSION-r$NODE_RECIPE"
+  local cdir="$cache/gobuild/containerd-$CONTAINERD_VERSION" xdir="$cache/gobuild/crictl-$CRICTL_VERSION"
+  local names="containerd containerd-shim-runc-v2 ctr crictl swyt-pause" name missing=0
+  for name in $names; do [ -x "$nbin/$name" ] || missing=1; done
+  if [ "$missing" = 1 ]; then
+    mkdir -p "$nbin" "$cdir" "$xdir"
+    local pkg=github.com/containerd/containerd/v2
+    if [ ! -x "$nbin/containerd" ] || [ ! -x "$nbin/containerd-shim-runc-v2" ] || [ ! -x "$nbin/ctr" ]; then
+      log "building containerd $CONTAINERD_VERSION (containerd, containerd-shim-runc-v2, ctr; cold build: several minutes)"
+      printf 'module switchyard.local/containerd\ngo 1.25\nrequire %s %s\n' "$pkg" "$CONTAINERD_VERSION" > "$cdir/go.mod"
+      (cd "$cdir" && go mod download "$pkg" >"$cdir/download.log" 2>&1) || fail_registry "$pkg@$CONTAINERD_VERSION" "$cdir/download.log"
+      local ld="-s -w -X $pkg/version.Version=$CONTAINERD_VERSION -X $pkg/version.Package=$pkg"
+      local tags="urfave_cli_no_docs no_btrfs no_devmapper no_zfs"
+      for name in containerd ctr; do
+        (cd "$cdir" && go build -trimpath -tags "$tags" -ldflags "$ld" -o "$nbin/$name.tmp" "$pkg/cmd/$name" >"$cdir/build-$name.log" 2>&1) \
+          || { echo "switchyard: cannot build $name $CONTAINERD_VERSION: see $cdir/build-$name.log" >&2; exit 1; }
+        mv "$nbin/$name.tmp" "$nbin/$name"; log "$name ready: $nbin/$name"
+      done
+      (cd "$cdir" && go build -trimpath -tags "$tags no_grpc" -ldflags "$ld" -o "$nbin/containerd-shim-runc-v2.tmp" "$pkg/cmd/containerd-shim-runc-v2" >"$cdir/build-shim.log" 2>&1) \
+        || { echo "switchyard: cannot build containerd-shim-runc-v2: see $cdir/build-shim.log" >&2; exit 1; }
+      mv "$nbin/containerd-shim-runc-v2.tmp" "$nbin/containerd-shim-runc-v2"; log "containerd-shim-runc-v2 ready"
+    fi
+    if [ ! -x "$nbin/crictl" ]; then
+      log "building crictl $CRICTL_VERSION"
+      printf 'module switchyard.local/crictl\ngo 1.25\nrequire sigs.k8s.io/cri-tools %s\n' "$CRICTL_VERSION" > "$xdir/go.mod"
+      (cd "$xdir" && go mod download sigs.k8s.io/cri-tools >"$xdir/download.log" 2>&1) || fail_registry "sigs.k8s.io/cri-tools@$CRICTL_VERSION" "$xdir/download.log"
+      (cd "$xdir" && go build -trimpath -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" -o "$nbin/crictl.tmp" sigs.k8s.io/cri-tools/cmd/crictl >"$xdir/build.log" 2>&1) \
+        || { echo "switchyard: cannot build crictl $CRICTL_VERSION: see $xdir/build.log" >&2; exit 1; }
+      mv "$nbin/crictl.tmp" "$nbin/crictl"; log "crictl ready: $nbin/crictl"
+    fi
+    if [ ! -x "$nbin/swyt-pause" ]; then
+      (cd "$here/pause" && go build -trimpath -ldflags "-s -w" -o "$nbin/swyt-pause.tmp" .) && mv "$nbin/swyt-pause.tmp" "$nbin/swyt-pause"
+      log "swyt-pause ready: $nbin/swyt-pause"
+    fi
+  fi
+  for name in $names; do
+    [ "$(readlink "$bin/$name" 2>/dev/null)" = "$nbin/$name" ] || ln -sfn "$nbin/$name" "$bin/$name"
+  done
+}
+
 build_etcd
 build_kube
 build_helm
+build_node
 echo "$bin"

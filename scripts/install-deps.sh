@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Installs what Switchyard's demo and tests need on a fresh Debian machine (idempotent):
-# kernel userspace tools from apt (and lua5.1, which runs the Argo CD health checks in tests),
-# then the Go-built control plane and helm (cached outside git).
+# kernel userspace tools from apt (and lua5.1, which runs the Argo CD health checks in tests; runc,
+# the CNI plugins and a static busybox for the real-node tier's containers), then the Go-built
+# control plane, helm and the node tier's containerd/crictl (cached outside git).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
 need=()
-for tool in nft:nftables iptables-legacy:iptables iptables-nft:iptables ipset:ipset ip:iproute2 conntrack:conntrack sysctl:procps lua5.1:lua5.1; do
-  command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool#*:}")
+for tool in nft:nftables iptables-legacy:iptables iptables-nft:iptables ipset:ipset ip:iproute2 conntrack:conntrack sysctl:procps lua5.1:lua5.1 \
+    runc:runc /usr/lib/cni/bridge:containernetworking-plugins /bin/busybox:busybox-static; do
+  case ${tool%%:*} in
+    /*) [ -x "${tool%%:*}" ] || need+=("${tool#*:}") ;;
+    *) command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool#*:}") ;;
+  esac
 done
 if [ ${#need[@]} -gt 0 ]; then
   echo "[install-deps] apt-get install ${need[*]}" >&2
