@@ -17,6 +17,18 @@ pub mod v1alpha1;
 
 use kube::CustomResourceExt;
 
+/// The URL of an apiserver given as a host (name, IPv4 or IPv6 address, brackets optional) and a
+/// port, as both binaries' `--apiserver-host`/`--apiserver-port` flags take it (the chart's
+/// `apiServer.host`/`apiServer.port`, like Cilium's `k8sServiceHost`/`k8sServicePort`).
+pub fn apiserver_url(host: &str, port: u16) -> String {
+    let host = host.trim().trim_start_matches('[').trim_end_matches(']');
+    if host.contains(':') {
+        format!("https://[{host}]:{port}")
+    } else {
+        format!("https://{host}:{port}")
+    }
+}
+
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -87,4 +99,20 @@ pub fn crd_yaml() -> Result<Vec<(String, String)>> {
             ))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod apiserver_url_tests {
+    use super::apiserver_url;
+
+    #[test]
+    fn hosts_of_every_kind_make_urls() {
+        assert_eq!(apiserver_url("10.0.0.1", 6443), "https://10.0.0.1:6443");
+        assert_eq!(
+            apiserver_url("api.example.com", 443),
+            "https://api.example.com:443"
+        );
+        assert_eq!(apiserver_url("fd00::1", 6443), "https://[fd00::1]:6443");
+        assert_eq!(apiserver_url("[fd00::1]", 6443), "https://[fd00::1]:6443");
+    }
 }

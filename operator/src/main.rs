@@ -17,6 +17,14 @@ struct Args {
     /// Kubeconfig to use; default: in-cluster service account, then $KUBECONFIG.
     #[arg(long, env = "SWITCHYARD_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// Host (name or address) of the apiserver to use instead of the kubeconfig's server or the
+    /// `kubernetes` Service's ClusterIP (`KUBERNETES_SERVICE_HOST`), which only works once a proxy
+    /// serves it. The credentials stay those of the kubeconfig or the pod's service account.
+    #[arg(long, env = "SWITCHYARD_APISERVER_HOST")]
+    apiserver_host: Option<String>,
+    /// Port of `--apiserver-host`.
+    #[arg(long, env = "SWITCHYARD_APISERVER_PORT", default_value_t = 6443)]
+    apiserver_port: u16,
     /// Namespace of the leader-election Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "switchyard-system")]
     namespace: String,
@@ -59,8 +67,12 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
-    let config = match kubeconfig {
+async fn client(
+    kubeconfig: Option<&PathBuf>,
+    apiserver_host: Option<&str>,
+    apiserver_port: u16,
+) -> Result<Client> {
+    let mut config = match kubeconfig {
         Some(path) => {
             let kc =
                 Kubeconfig::read_from(path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
@@ -72,6 +84,12 @@ async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
             .await
             .map_err(|e| Error::Config(format!("no kubeconfig: {e}")))?,
     };
+    if let Some(host) = apiserver_host {
+        config.cluster_url = switchyard_crds::apiserver_url(host, apiserver_port)
+            .parse()
+            .map_err(|e| Error::Config(format!("--apiserver-host {host}: {e}")))?;
+        tracing::info!(server = %config.cluster_url, "using the configured apiserver endpoint");
+    }
     Client::try_from(config).map_err(Error::kube("build client"))
 }
 
@@ -101,7 +119,12 @@ async fn run(args: Args) -> Result<()> {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "operator".into());
         format!("{}-{}", host.trim(), std::process::id())
     });
-    let client = client(args.kubeconfig.as_ref()).await?;
+    let client = client(
+        args.kubeconfig.as_ref(),
+        args.apiserver_host.as_deref(),
+        args.apiserver_port,
+    )
+    .await?;
     let config = controller::Config {
         namespace: args.namespace,
         lease_name: args.lease_name,
