@@ -19,7 +19,7 @@ use kube::{
 };
 use switchyard_crds::v1alpha1::{NodeProxy, NodeProxySpec, ProxyPolicy, ProxyPolicyStatus};
 
-use crate::metrics::Metrics;
+use crate::{metrics::Metrics, retry::ApiState};
 
 /// How long an own write is preferred over a cache that does not show it yet.
 const OWN_WRITE_TTL: Duration = Duration::from_secs(30);
@@ -34,16 +34,20 @@ pub struct Health {
     running: AtomicBool,
     last_ok_ms: AtomicI64,
     stale_after: Duration,
+    /// Whether the API answers.
+    pub api: Arc<ApiState>,
 }
 
 impl Health {
-    /// A standby replica's state; unhealthy when a leader has not reconciled for `stale_after`.
-    pub fn new(stale_after: Duration) -> Self {
+    /// A standby replica's state; unhealthy when a leader has not reconciled for `stale_after`
+    /// (not counting time the API was unreachable: restarting would not bring it back).
+    pub fn new(stale_after: Duration, api: Arc<ApiState>) -> Self {
         Self {
             leader: AtomicBool::new(false),
             running: AtomicBool::new(false),
             last_ok_ms: AtomicI64::new(unix_millis()),
             stale_after,
+            api,
         }
     }
 
@@ -73,6 +77,17 @@ impl Health {
     /// `Ok(description)` when healthy, `Err(why)` when not. `policies` is the number of
     /// ProxyPolicies (with none, a leader has nothing to reconcile and is healthy while its loop runs).
     pub fn check(&self, policies: usize) -> Result<String, String> {
+        if let Some((since, error)) = self.api.unreachable() {
+            // Still 200: the process is fine and retries; a restart would not help.
+            let secs = jiff::Timestamp::now().as_second() - since;
+            let role = if self.is_leader() { "leader" } else { "not leading" };
+            return Ok(format!(
+                "degraded: the Kubernetes API is unreachable since {} ({secs}s; {role}; retrying): {error}",
+                jiff::Timestamp::from_second(since)
+                    .map(|t| t.to_string())
+                    .unwrap_or_default()
+            ));
+        }
         if !self.is_leader() {
             return Ok("standby: waiting for the leader Lease".into());
         }
@@ -171,6 +186,54 @@ impl OwnWrites {
     }
 }
 
+/// The last operator-written spec seen for a node, with the NodeProxy's UID: a NodeProxy deleted
+/// and re-created (by its agent, with an empty spec) gets that spec back.
+#[derive(Clone, Debug)]
+pub struct KnownSpec {
+    /// UID of the NodeProxy that carried it.
+    pub uid: String,
+    /// Its resourceVersion.
+    pub resource_version: Option<u64>,
+    /// The spec.
+    pub spec: NodeProxySpec,
+}
+
+/// [`KnownSpec`] per node, for one leader term.
+#[derive(Default)]
+pub struct KnownSpecs(HashMap<String, KnownSpec>);
+
+impl KnownSpecs {
+    /// Learns from a NodeProxy (cached or just written) that carries an operator spec; returns the
+    /// spec to restore when `np` is a re-created NodeProxy with an empty spec.
+    pub fn observe(&mut self, np: &NodeProxy) -> Option<KnownSpec> {
+        let name = np.metadata.name.clone()?;
+        let uid = np.metadata.uid.clone()?;
+        let version = rv(&np.metadata);
+        if np.spec == NodeProxySpec::default() {
+            return self.0.get(&name).filter(|k| k.uid != uid).cloned();
+        }
+        let newer = self.0.get(&name).is_none_or(|k| {
+            k.uid != uid || matches!((version, k.resource_version), (Some(a), Some(b)) if a > b)
+        });
+        if newer {
+            self.0.insert(
+                name,
+                KnownSpec {
+                    uid,
+                    resource_version: version,
+                    spec: np.spec.clone(),
+                },
+            );
+        }
+        None
+    }
+
+    /// Forgets a node (its spec was released or the node is gone).
+    pub fn forget(&mut self, node: &str) {
+        self.0.remove(node);
+    }
+}
+
 /// Shared by the reconciles of one leader term.
 pub struct Context {
     /// API client (the operator's identity).
@@ -185,4 +248,6 @@ pub struct Context {
     pub health: Arc<Health>,
     /// This term's own writes.
     pub own: Mutex<OwnWrites>,
+    /// Last operator spec per node, to restore re-created NodeProxies.
+    pub known: Mutex<KnownSpecs>,
 }

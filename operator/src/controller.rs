@@ -29,15 +29,18 @@ use kube::{
 use serde_json::json;
 use switchyard_crds::{
     consts::{OPERATOR_FIELD_MANAGER, POLICY_LABEL},
-    v1alpha1::{NodeProxy, ProxyPolicy},
+    v1alpha1::{NodeProxy, NodeProxySpec, ProxyPolicy},
 };
 use tokio::sync::{broadcast, watch};
 
 use crate::{
     Error, Result,
-    context::{Context, Health, OwnWrites, Stores},
+    context::{Context, Health, KnownSpecs, OwnWrites, Stores},
+    fleet,
+    lease::{self, LeaseConfig},
     metrics::{Metrics, PolicyNodesLabel, ReasonLabel},
     planner::{self, NodeInput, NodeProxyInput, NodeWrite, PlanEvent, PolicyInput},
+    retry::{self, ApiState, RetryBackoff},
 };
 
 /// Settings of [`run`].
@@ -60,12 +63,15 @@ pub struct Config {
 }
 
 /// Runs the operator until `shutdown` resolves: serves `/healthz` and `/metrics`, keeps the watch
-/// caches warm, and reconciles only while holding the Lease.
+/// caches warm, and reconciles only while holding the Lease. API errors never end it: watches and
+/// the Lease are retried with [`crate::retry::RetryBackoff`]; only a configuration error (the
+/// health address cannot be bound) returns early.
 pub async fn run(client: Client, config: Config, shutdown: impl Future<Output = ()>) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
-    let health = Arc::new(Health::new(config.stale_after));
     let (trigger, _) = broadcast::channel::<()>(64);
-    let stores = start_caches(&client, &trigger);
+    let api = Arc::new(ApiState::new(trigger.clone()));
+    let health = Arc::new(Health::new(config.stale_after, api.clone()));
+    let stores = start_caches(&client, &trigger, &api);
     let server = serve(
         config.healthz_bind_address,
         health.clone(),
@@ -74,14 +80,17 @@ pub async fn run(client: Client, config: Config, shutdown: impl Future<Output = 
     )
     .await?;
 
-    let lease = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &config.lease_name)
-        .with_namespace(&config.namespace)
-        .with_identity(&config.identity)
-        .with_duration(config.lease_duration.as_secs())
-        .with_grace(config.lease_grace.as_secs())
-        .build()
-        .await?;
-    let (mut leader, lease_task) = lease.watch().await;
+    let (mut leader, lease_task) = lease::spawn(
+        client.clone(),
+        LeaseConfig {
+            namespace: config.namespace.clone(),
+            name: config.lease_name.clone(),
+            identity: config.identity.clone(),
+            duration: config.lease_duration,
+            grace: config.lease_grace,
+        },
+        api.clone(),
+    );
     tracing::info!(identity = %config.identity, lease = %config.lease_name, namespace = %config.namespace, "waiting for leadership");
 
     tokio::pin!(shutdown);
@@ -102,27 +111,25 @@ pub async fn run(client: Client, config: Config, shutdown: impl Future<Output = 
             health.clone(),
         );
         let lost = lost_leadership(&mut leader);
-        tokio::select! {
-            () = &mut shutdown => {
-                health.set_leader(false);
-                break Ok(());
-            }
+        let stop = tokio::select! {
+            () = &mut shutdown => Some(Ok(())),
             r = lost => {
                 tracing::warn!(identity = %config.identity, "lost leadership; stopped reconciling");
-                if r.is_err() {
-                    health.set_leader(false);
-                    break Err(Error::LeaseStopped);
-                }
+                r.err().map(Err)
             }
-            r = term => {
-                tracing::error!(result = ?r, "the controller stopped while leader");
-                health.set_leader(false);
-                break r.and(Err(Error::NotReady("ProxyPolicy controller")));
+            () = term => {
+                // Not expected: the Controller runs until dropped. Start a new term.
+                tracing::error!("the controller stopped while leader; starting it again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                None
             }
-        }
+        };
         health.set_running(false);
         health.set_leader(false);
         metrics.leader.set(0);
+        if let Some(outcome) = stop {
+            break outcome;
+        }
     };
     health.set_running(false);
     // Closing the channel makes the lease task release the Lease, so a standby takes over at once.
@@ -145,9 +152,10 @@ async fn lost_leadership(leader: &mut watch::Receiver<bool>) -> Result<()> {
         .map_err(|_| Error::LeaseStopped)
 }
 
-/// Reflector tasks for Nodes (metadata only), NodeProxies and ProxyPolicies; every change sends a
-/// trigger that requeues all policies.
-fn start_caches(client: &Client, trigger: &broadcast::Sender<()>) -> Stores {
+/// Reflector tasks for Nodes (metadata only), NodeProxies and ProxyPolicies, retried with the short
+/// backoff of [`retry::retrying`]; every change, and every completed (re-)list, sends a trigger
+/// that requeues all policies.
+fn start_caches(client: &Client, trigger: &broadcast::Sender<()>, api: &Arc<ApiState>) -> Stores {
     let (nodes, nodes_writer) = reflector::store::<kube::core::PartialObjectMeta<Node>>();
     let (proxies, proxies_writer) = reflector::store::<NodeProxy>();
     let (policies, policies_writer) = reflector::store::<ProxyPolicy>();
@@ -156,28 +164,31 @@ fn start_caches(client: &Client, trigger: &broadcast::Sender<()>) -> Stores {
         Api::<kube::core::PartialObjectMeta<Node>>::all(client.clone()),
         cfg(),
     )
-    .default_backoff()
     .modify(|n| n.managed_fields_mut().clear())
-    .reflect(nodes_writer)
-    .touched_objects();
-    spawn_cache("Node", node_stream, trigger.clone());
+    .reflect(nodes_writer);
+    spawn_cache(
+        "Node",
+        retry::retrying("Node", node_stream, api.clone()),
+        trigger.clone(),
+    );
     let np_stream = watcher(Api::<NodeProxy>::all(client.clone()), cfg())
-        .default_backoff()
         .modify(|n| n.managed_fields_mut().clear())
-        .reflect(proxies_writer)
-        .touched_objects();
-    spawn_cache("NodeProxy", np_stream, trigger.clone());
+        .reflect(proxies_writer);
+    spawn_cache(
+        "NodeProxy",
+        retry::retrying("NodeProxy", np_stream, api.clone()),
+        trigger.clone(),
+    );
     let pp_stream = watcher(Api::<ProxyPolicy>::all(client.clone()), cfg())
-        .default_backoff()
         .modify(|n| n.managed_fields_mut().clear())
-        .reflect(policies_writer)
-        .touched_objects();
-    // Policies trigger themselves through the Controller; this cache only feeds the planner.
-    tokio::spawn(pp_stream.for_each(|r| async move {
-        if let Err(e) = r {
-            tracing::warn!(error = %e, "ProxyPolicy watch");
-        }
-    }));
+        .reflect(policies_writer);
+    // Policy changes reach the Controller through its own watch; this cache feeds the planner, and
+    // a deleted policy must reach the fleet pass (which releases its nodes).
+    spawn_cache(
+        "ProxyPolicy",
+        retry::retrying("ProxyPolicy", pp_stream, api.clone()),
+        trigger.clone(),
+    );
     Stores {
         nodes,
         proxies,
@@ -185,17 +196,22 @@ fn start_caches(client: &Client, trigger: &broadcast::Sender<()>) -> Stores {
     }
 }
 
-fn spawn_cache<T, S>(kind: &'static str, stream: S, trigger: broadcast::Sender<()>)
+fn spawn_cache<K, S>(kind: &'static str, stream: S, trigger: broadcast::Sender<()>)
 where
-    S: Stream<Item = Result<T, watcher::Error>> + Send + 'static,
-    T: Send,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    K: Send,
 {
     tokio::spawn(stream.for_each(move |r| {
         match r {
-            Ok(_) => {
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+            Ok(watcher::Event::InitDone) => {
+                tracing::info!(kind, "watch cache (re-)listed; reconciling every policy");
                 let _ = trigger.send(());
             }
-            Err(e) => tracing::warn!(kind, error = %e, "watch"),
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
+                let _ = trigger.send(());
+            }
+            Err(e) => tracing::debug!(kind, error = %e, "watch"),
         }
         futures::future::ready(())
     }));
@@ -220,6 +236,11 @@ async fn serve(
         }
     }
     async fn metrics_text(State(s): State<Http>) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+        let down = s.health.api.unreachable();
+        s.metrics.api_reachable.set(i64::from(down.is_none()));
+        s.metrics
+            .api_unreachable_since
+            .set(down.map(|(since, _)| since).unwrap_or(0));
         (
             [(
                 axum::http::header::CONTENT_TYPE,
@@ -250,7 +271,8 @@ async fn serve(
     }))
 }
 
-/// One leadership term: the Controller runs until dropped (leadership lost or shutdown).
+/// One leadership term: the Controller (and the fleet pass) run until dropped (leadership lost or
+/// shutdown).
 async fn leader_term(
     client: Client,
     config: &Config,
@@ -258,27 +280,8 @@ async fn leader_term(
     trigger: &broadcast::Sender<()>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
-) -> Result<()> {
-    let ready = async {
-        stores
-            .nodes
-            .wait_until_ready()
-            .await
-            .map_err(|_| Error::NotReady("Node"))?;
-        stores
-            .proxies
-            .wait_until_ready()
-            .await
-            .map_err(|_| Error::NotReady("NodeProxy"))?;
-        stores
-            .policies
-            .wait_until_ready()
-            .await
-            .map_err(|_| Error::NotReady("ProxyPolicy"))
-    };
-    tokio::time::timeout(Duration::from_secs(120), ready)
-        .await
-        .map_err(|_| Error::NotReady("watch"))??;
+) {
+    wait_for_caches(&stores).await;
     let reporter = Reporter {
         controller: OPERATOR_FIELD_MANAGER.into(),
         instance: Some(config.identity.clone()),
@@ -290,27 +293,53 @@ async fn leader_term(
         metrics,
         health: health.clone(),
         own: Mutex::new(OwnWrites::default()),
-    });
-    let rx = trigger.subscribe();
-    let triggers = futures::stream::unfold(rx, |mut rx| async move {
-        match rx.recv().await {
-            Ok(()) | Err(broadcast::error::RecvError::Lagged(_)) => Some(((), rx)),
-            Err(broadcast::error::RecvError::Closed) => None,
-        }
+        known: Mutex::new(KnownSpecs::default()),
     });
     health.set_running(true);
-    Controller::new(Api::<ProxyPolicy>::all(client), watcher::Config::default())
-        .reconcile_all_on(triggers)
+    let fleet = fleet::run(ctx.clone(), subscribe(trigger));
+    let controller = Controller::new(Api::<ProxyPolicy>::all(client), watcher::Config::default())
+        .trigger_backoff(RetryBackoff::new())
+        .reconcile_all_on(subscribe(trigger))
         .with_config(controller::Config::default().debounce(Duration::from_millis(200)))
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "reconcile");
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = controller => {}
+        () = fleet => {}
+    }
     health.set_running(false);
-    Ok(())
+}
+
+/// The trigger channel as a stream (a lagging receiver still triggers).
+fn subscribe(trigger: &broadcast::Sender<()>) -> impl Stream<Item = ()> + Send + 'static {
+    futures::stream::unfold(trigger.subscribe(), |mut rx| async move {
+        match rx.recv().await {
+            Ok(()) | Err(broadcast::error::RecvError::Lagged(_)) => Some(((), rx)),
+            Err(broadcast::error::RecvError::Closed) => None,
+        }
+    })
+}
+
+/// Waits until every cache has listed once (however long the API takes: the caches retry).
+async fn wait_for_caches(stores: &Stores) {
+    let ready = async {
+        let _ = stores.nodes.wait_until_ready().await;
+        let _ = stores.proxies.wait_until_ready().await;
+        let _ = stores.policies.wait_until_ready().await;
+    };
+    tokio::pin!(ready);
+    loop {
+        tokio::select! {
+            () = &mut ready => return,
+            () = tokio::time::sleep(Duration::from_secs(30)) => {
+                tracing::warn!("leader, but the watch caches have not listed yet; waiting for the API");
+            }
+        }
+    }
 }
 
 fn error_policy(policy: Arc<ProxyPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
@@ -395,6 +424,8 @@ async fn reconcile(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action
         return Ok(Action::await_change());
     }
     let name = policy.name_any();
+    // A NodeProxy re-created with an empty spec gets its spec back before anything is planned.
+    fleet::restore_recreated(&ctx).await;
     let (policies, nodes, proxies) = snapshot(&ctx, &policy);
     let plan_started = Instant::now();
     let plan = planner::plan(&policies, &nodes, &proxies, jiff::Timestamp::now());
@@ -455,33 +486,61 @@ async fn reconcile(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action
     Ok(Action::requeue(pp.requeue_after))
 }
 
-async fn apply_node_proxy(ctx: &Context, policy: &str, write: &NodeWrite) -> Result<()> {
+/// Applies a policy's NodeProxy spec (with the policy label).
+pub(crate) async fn apply_node_proxy(ctx: &Context, policy: &str, write: &NodeWrite) -> Result<NodeProxy> {
+    let result = apply_spec(
+        ctx,
+        &write.node,
+        &write.node_uid,
+        json!({POLICY_LABEL: policy}),
+        json!({}),
+        &write.spec,
+    )
+    .await?;
+    tracing::info!(policy, node = %write.node, desired = ?write.spec.desired_mode, token = ?write.spec.rollout_token, "applied NodeProxy spec");
+    Ok(result)
+}
+
+/// Server-side applies the operator's part of a NodeProxy: `labels`, `annotations`, the owner
+/// reference (its Node) and `spec`. Fields the operator set before and leaves out here are removed.
+pub(crate) async fn apply_spec(
+    ctx: &Context,
+    node: &str,
+    node_uid: &str,
+    labels: serde_json::Value,
+    annotations: serde_json::Value,
+    spec: &NodeProxySpec,
+) -> Result<NodeProxy> {
     let api: Api<NodeProxy> = Api::all(ctx.client.clone());
     let body = json!({
         "apiVersion": "switchyard.dev/v1alpha1",
         "kind": "NodeProxy",
         "metadata": {
-            "name": write.node,
-            "labels": {POLICY_LABEL: policy},
-            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": write.node, "uid": write.node_uid}],
+            "name": node,
+            "labels": labels,
+            "annotations": annotations,
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid}],
         },
-        "spec": write.spec,
+        "spec": spec,
     });
     let result = api
         .patch(
-            &write.node,
+            node,
             &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
             &Patch::Apply(&body),
         )
         .await
-        .map_err(Error::kube(format!("apply NodeProxy {}", write.node)))?;
+        .map_err(Error::kube(format!("apply NodeProxy {node}")))?;
     ctx.metrics.node_writes.inc();
-    tracing::info!(policy, node = %write.node, desired = ?write.spec.desired_mode, token = ?write.spec.rollout_token, "applied NodeProxy spec");
     ctx.own
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .spec_written(&write.node, write.spec.clone(), &result);
-    Ok(())
+        .spec_written(node, spec.clone(), &result);
+    ctx.known
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .observe(&result);
+    Ok(result)
 }
 
 async fn publish(ctx: &Context, policy: &ProxyPolicy, event: &PlanEvent) {

@@ -27,14 +27,29 @@
 //! - [`planner`]: the pure wave planner (all decisions, table-tested).
 //! - [`controller`]: watch caches, leader election (Lease, kube-lease-manager), the kube-runtime
 //!   Controller, `/healthz` and `/metrics`.
+//! - [`lease`]: leader election that survives the API going away; [`retry`]: the short watch
+//!   backoff and the API reachability shown on `/healthz` and `/metrics`.
+//! - [`fleet`]: releasing nodes whose policy is gone ([`planner::lifecycle`] documents the outcome)
+//!   and restoring the spec of re-created NodeProxies.
 //! - [`context`], [`metrics`], [`error`].
+//!
+//! # Control-plane outages
+//! The operator never exits on API errors. Watches retry after 250 ms doubling to 2 s and re-list at
+//! once after "too old resource version" (410 Expired); each completed re-list and the API's
+//! recovery trigger a reconcile of every policy, and reconciles requeue at the end of a soak. The
+//! leader steps down when it cannot renew its Lease for a lease duration and re-acquires it as
+//! soon as the API answers. `/healthz` stays 200 and says since when the API is unreachable;
+//! `switchyard_operator_api_reachable` is 0 meanwhile.
 
 pub use switchyard_crds as crds;
 
 pub mod context;
 pub mod controller;
 pub mod error;
+pub mod fleet;
+pub mod lease;
 pub mod metrics;
 pub mod planner;
+pub mod retry;
 
 pub use error::{Error, Result};

@@ -48,6 +48,12 @@ pub struct Metrics {
     pub leader: Gauge,
     /// switchyard_operator_policy_nodes{policy,kind}.
     pub policy_nodes: Family<PolicyNodesLabel, Gauge>,
+    /// switchyard_operator_ungoverned_nodes: NodeProxies released from a policy that is gone.
+    pub ungoverned_nodes: Gauge,
+    /// switchyard_operator_api_reachable: 0 while the Kubernetes API fails.
+    pub api_reachable: Gauge,
+    /// switchyard_operator_api_unreachable_since_seconds: Unix time since which it fails, 0 when not.
+    pub api_unreachable_since: Gauge,
 }
 
 impl Default for Metrics {
@@ -70,6 +76,9 @@ impl Metrics {
             events: Family::default(),
             leader: Gauge::default(),
             policy_nodes: Family::default(),
+            ungoverned_nodes: Gauge::default(),
+            api_reachable: Gauge::default(),
+            api_unreachable_since: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register("reconciles", "Reconciles of ProxyPolicies", m.reconciles.clone());
@@ -96,6 +105,21 @@ impl Metrics {
         registry.register("events", "Events published by reason", m.events.clone());
         registry.register("leader", "1 while this replica is the leader", m.leader.clone());
         registry.register("policy_nodes", "Nodes per policy by kind", m.policy_nodes.clone());
+        registry.register(
+            "ungoverned_nodes",
+            "NodeProxies released from a deleted policy (or one that no longer selects them)",
+            m.ungoverned_nodes.clone(),
+        );
+        registry.register(
+            "api_reachable",
+            "1 while the Kubernetes API answers, 0 while it fails",
+            m.api_reachable.clone(),
+        );
+        registry.register(
+            "api_unreachable_since_seconds",
+            "Unix time since which the Kubernetes API fails, 0 while it answers",
+            m.api_unreachable_since.clone(),
+        );
         Self { registry, ..m }
     }
 

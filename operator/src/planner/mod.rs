@@ -23,6 +23,7 @@
 //! token of this policy; a wave is complete when all its nodes are healthy (or the previous status
 //! recorded it complete for this generation and none of its nodes still needs a switch).
 
+pub mod lifecycle;
 mod policy;
 pub mod selector;
 pub mod waves;
