@@ -4,15 +4,15 @@
 use std::{
     collections::BTreeMap,
     net::{SocketAddr, TcpStream},
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
 use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchPhase};
 
 use crate::{
-    backend::{self, Backend, BackendError, Settings, SyncStats},
+    backend::{self, Backend, BackendError, Presence, Settings, SyncStats},
     model::{Changes, DualSnapshot, Protocol, ServiceName},
+    state_store::{Loaded, StateStore},
     switch::{self, Desired, Gate, GateProgress, Phase, Step, SwitchState},
 };
 
@@ -35,28 +35,13 @@ pub struct Finished {
     pub finished: k8s_openapi::jiff::Timestamp,
 }
 
-/// Persisted switch state in a small JSON file.
-#[derive(Debug, Clone)]
-pub struct StateFile(pub PathBuf);
-
-impl StateFile {
-    /// Reads the state, `None` when absent or unreadable.
-    pub fn load(&self) -> Option<SwitchState> {
-        serde_json::from_slice(&std::fs::read(&self.0).ok()?).ok()
-    }
-
-    /// Writes atomically (temp file + rename).
-    pub fn store(&self, state: &SwitchState) {
-        let tmp = self.0.with_extension("tmp");
-        let ok = self.0.parent().is_none_or(|d| std::fs::create_dir_all(d).is_ok())
-            && serde_json::to_vec(state)
-                .ok()
-                .is_some_and(|b| std::fs::write(&tmp, b).is_ok())
-            && std::fs::rename(&tmp, &self.0).is_ok();
-        if !ok {
-            tracing::error!(path = %self.0.display(), "cannot persist the switch state");
-        }
-    }
+/// Why the persisted state is not what the agent runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateProblem {
+    /// `StateFileCorrupt`, `StateFileStale`, `StateFileMissing` or `StateFileUnwritable`.
+    pub reason: &'static str,
+    /// What was found and what the agent does about it.
+    pub message: String,
 }
 
 /// The driver.
@@ -64,9 +49,17 @@ pub struct Driver {
     backends: BTreeMap<ProxyMode, Box<dyn Backend>>,
     /// Persisted state.
     pub state: SwitchState,
-    file: StateFile,
+    store: Box<dyn StateStore>,
+    /// What the store held at start, until the first sync reconciles it with the kernel.
+    loaded: Option<Loaded>,
+    /// The persisted state could not be trusted at start (why), or the last store failed.
+    pub state_problem: Option<StateProblem>,
+    /// The in-memory state is ahead of the store (a store after an effect failed): retried.
+    unsaved: bool,
     settings: Settings,
     iptables_variant: String,
+    /// The mode of `--mode`, used when neither the store nor the kernel says more.
+    initial: ProxyMode,
     recovered: bool,
     cut_over_at: Option<Instant>,
     healthy_since: Option<Instant>,
@@ -92,15 +85,29 @@ fn phase_api(p: Phase) -> SwitchPhase {
 }
 
 impl Driver {
-    /// A driver starting from the persisted state (or Active in `initial`).
-    pub fn new(file: StateFile, initial: ProxyMode, settings: Settings, iptables_variant: String) -> Self {
-        let state = file.load().unwrap_or_else(|| SwitchState::active(initial));
+    /// A driver starting from the persisted state (or Active in `initial`); the first sync checks
+    /// that state against the kernel before anything is programmed.
+    pub fn new(
+        store: Box<dyn StateStore>,
+        initial: ProxyMode,
+        settings: Settings,
+        iptables_variant: String,
+    ) -> Self {
+        let loaded = store.load();
+        let state = match &loaded {
+            Loaded::Valid(state) => state.clone(),
+            Loaded::Absent | Loaded::Corrupt(_) => SwitchState::active(initial),
+        };
         Self {
             backends: BTreeMap::new(),
             state,
-            file,
+            store,
+            loaded: Some(loaded),
+            state_problem: None,
+            unsaved: false,
             settings,
             iptables_variant,
+            initial,
             recovered: false,
             cut_over_at: None,
             healthy_since: None,
@@ -137,10 +144,47 @@ impl Driver {
         }
     }
 
-    fn persist(&mut self) {
-        self.file.store(&self.state);
+    /// Stores the current state; false (logged, reported) when the store failed.
+    fn persist(&mut self) -> bool {
         self.dirty = true;
-        fault_pause(self.state.phase);
+        match self.store.store(&self.state) {
+            Ok(()) => {
+                self.unsaved = false;
+                if self
+                    .state_problem
+                    .as_ref()
+                    .is_some_and(|p| p.reason == "StateFileUnwritable")
+                {
+                    self.state_problem = None;
+                }
+                fault_pause(self.state.phase);
+                true
+            }
+            Err(e) => {
+                tracing::error!(store = %self.store.location(), error = %e, phase = ?self.state.phase, "cannot persist the switch state");
+                self.state_problem = Some(StateProblem {
+                    reason: "StateFileUnwritable",
+                    message: format!(
+                        "cannot write {}: {e}; switch steps wait until it can be written",
+                        self.store.location()
+                    ),
+                });
+                self.unsaved = true;
+                false
+            }
+        }
+    }
+
+    /// Write-ahead: makes `next` the state only once it is stored; on a store failure the state
+    /// stays as it was and the caller must not run the step's effect.
+    fn commit(&mut self, next: SwitchState) -> bool {
+        let previous = std::mem::replace(&mut self.state, next);
+        if self.persist() {
+            true
+        } else {
+            self.state = previous;
+            false
+        }
     }
 
     /// Syncs every present backend (the serving one, and the target during a switch). On the
@@ -153,33 +197,7 @@ impl Driver {
         full: bool,
     ) -> Result<SyncStats, BackendError> {
         if !self.recovered {
-            let r = switch::recover(&self.state);
-            let serve = r.serve;
-            let b = self.backend(serve);
-            b.set_bypass(false)?;
-            let stats = b.sync(snapshot, changes, true)?;
-            for mode in r.remove {
-                let mut other = backend::new_backend(mode, self.settings.clone(), &self.iptables_variant);
-                other.cleanup()?;
-            }
-            if let Some((result, reason)) = r.result {
-                self.last = Some(Finished {
-                    from: self.state.active,
-                    to: self.state.target.unwrap_or(serve),
-                    result,
-                    reason,
-                    token: self.state.token.clone(),
-                    started: None,
-                    finished: k8s_openapi::jiff::Timestamp::now(),
-                });
-            }
-            if self.state.phase != Phase::Active {
-                tracing::warn!(phase = ?self.state.phase, serving = %serve, "recovered an interrupted switch");
-            }
-            self.state = r.state;
-            self.persist();
-            self.recovered = true;
-            return Ok(stats);
+            return self.recover(snapshot, changes);
         }
         let active = self.state.active;
         let stats = self.backend(active).sync(snapshot, changes, full)?;
@@ -193,6 +211,66 @@ impl Driver {
         Ok(stats)
     }
 
+    /// What the kernel holds of each backend, read back; a backend that cannot be read counts as
+    /// absent (logged).
+    fn kernel_view(&self) -> Vec<(ProxyMode, Presence)> {
+        ProxyMode::ALL
+            .iter()
+            .map(|&mode| {
+                let b = backend::new_backend(mode, self.settings.clone(), &self.iptables_variant);
+                let presence = b.presence().unwrap_or_else(|e| {
+                    tracing::warn!(%mode, error = %e, "cannot read this backend's kernel state; taking it as absent");
+                    Presence::Absent
+                });
+                (mode, presence)
+            })
+            .collect()
+    }
+
+    /// The first sync: checks the persisted state against the kernel (an unreadable or stale
+    /// state never decides alone), then programs the backend that must serve and removes every
+    /// other backend's objects.
+    fn recover(&mut self, snapshot: &DualSnapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
+        if let Some(loaded) = self.loaded.take() {
+            let kernel = self.kernel_view();
+            let start = switch::start_state(&loaded, &kernel, self.initial);
+            tracing::info!(?kernel, store = %self.store.location(), serving = %start.state.active, "start state");
+            if let Some((reason, message)) = start.problem {
+                tracing::warn!(reason, %message, "the persisted switch state is not trusted");
+                self.state_problem = Some(StateProblem { reason, message });
+            }
+            self.state = start.state;
+        }
+        let r = switch::recover(&self.state);
+        let serve = r.serve;
+        let b = self.backend(serve);
+        b.set_bypass(false)?;
+        let stats = b.sync(snapshot, changes, true)?;
+        for mode in r.remove {
+            let mut other = backend::new_backend(mode, self.settings.clone(), &self.iptables_variant);
+            other.cleanup()?;
+        }
+        if let Some((result, reason)) = r.result {
+            self.last = Some(Finished {
+                from: self.state.active,
+                to: self.state.target.unwrap_or(serve),
+                result,
+                reason,
+                token: self.state.token.clone(),
+                started: None,
+                finished: k8s_openapi::jiff::Timestamp::now(),
+            });
+        }
+        if self.state.phase != Phase::Active {
+            tracing::warn!(phase = ?self.state.phase, serving = %serve, "recovered an interrupted switch");
+        }
+        self.state = r.state;
+        // After the effect: a failed store is retried before any switch step (`unsaved`).
+        self.persist();
+        self.recovered = true;
+        Ok(stats)
+    }
+
     /// Runs one step of the switch; returns whether another step should follow at once.
     pub fn step(
         &mut self,
@@ -202,8 +280,8 @@ impl Driver {
         snapshot: &DualSnapshot,
         probe_targets: &[ServiceName],
     ) -> bool {
-        if !self.recovered {
-            return false;
+        if !self.recovered || (self.unsaved && !self.persist()) {
+            return false; // write-ahead: no step while the store is behind
         }
         let g = Gate {
             min_healthy: Duration::from_secs(u64::from(gate.min_healthy_seconds)),
@@ -221,7 +299,13 @@ impl Driver {
             Step::Refuse { reason } => {
                 let to = desired.map(|d| d.mode).unwrap_or(self.state.active);
                 tracing::warn!(%reason, "switch refused");
-                self.state.answered = desired.and_then(|d| d.token.clone());
+                let answered = SwitchState {
+                    answered: desired.and_then(|d| d.token.clone()),
+                    ..self.state.clone()
+                };
+                if !self.commit(answered) {
+                    return false;
+                }
                 self.last = Some(Finished {
                     from: self.state.active,
                     to,
@@ -231,19 +315,20 @@ impl Driver {
                     started: self.started.take(),
                     finished: k8s_openapi::jiff::Timestamp::now(),
                 });
-                self.persist();
                 false
             }
             Step::Prepare { target, token } => {
-                self.started = Some(k8s_openapi::jiff::Timestamp::now());
                 tracing::info!(from = %self.state.active, to = %target, ?token, "switch: preparing");
-                self.state = SwitchState {
+                let preparing = SwitchState {
                     phase: Phase::Preparing,
                     target: Some(target),
                     token,
                     ..self.state.clone()
                 };
-                self.persist();
+                if !self.commit(preparing) {
+                    return false;
+                }
+                self.started = Some(k8s_openapi::jiff::Timestamp::now());
                 let result = {
                     let b = self.backend(target);
                     b.set_bypass(true)
@@ -258,8 +343,12 @@ impl Driver {
                 let (from, Some(to)) = (self.state.active, self.state.target) else {
                     return false;
                 };
-                self.state.phase = Phase::CutOver;
-                self.persist();
+                if !self.commit(SwitchState {
+                    phase: Phase::CutOver,
+                    ..self.state.clone()
+                }) {
+                    return false;
+                }
                 // Make before break: the new entry points open before the old ones close.
                 let result = self
                     .backend(to)
@@ -273,6 +362,7 @@ impl Driver {
                 self.cut_over_at = Some(Instant::now());
                 self.healthy_since = None;
                 self.failures = 0;
+                // After the effect: a failed store is retried before the next step.
                 self.persist();
                 true
             }
@@ -310,8 +400,12 @@ impl Driver {
                 let (from, Some(to)) = (self.state.active, self.state.target) else {
                     return false;
                 };
-                self.state.phase = Phase::Cleaning;
-                self.persist();
+                if !self.commit(SwitchState {
+                    phase: Phase::Cleaning,
+                    ..self.state.clone()
+                }) {
+                    return false;
+                }
                 if let Err(e) = self.backend(from).cleanup() {
                     tracing::error!(error = %e, "cleaning the old backend failed; will retry");
                     return false;
@@ -326,7 +420,7 @@ impl Driver {
                     answered: token.clone(),
                     restarts: 0,
                 };
-                self.persist();
+                self.persist(); // after the effect: retried before the next step on failure
                 tracing::info!(%from, %to, "switch: done");
                 self.last = Some(Finished {
                     from,
@@ -348,8 +442,12 @@ impl Driver {
         let from = self.state.active;
         let to = self.state.target.unwrap_or(from);
         tracing::warn!(%from, %to, %reason, "switch: rolling back");
+        // Kept in memory even when the store fails, so the next step resumes the rollback (the
+        // stored phase recovers to the old backend too); its effects wait for the store.
         self.state.phase = Phase::RollingBack;
-        self.persist();
+        if !self.persist() {
+            return false;
+        }
         let restore = {
             let b = self.backend(from);
             b.set_bypass(false)
@@ -380,7 +478,7 @@ impl Driver {
             restarts: 0,
         };
         self.cut_over_at = None;
-        self.persist();
+        self.persist(); // after the effect: retried before the next step on failure
         self.last = Some(Finished {
             from,
             to,

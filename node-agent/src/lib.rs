@@ -16,6 +16,7 @@ pub mod model;
 pub mod probe;
 pub mod report;
 pub mod runtime;
+pub mod state_store;
 pub mod switch;
 pub mod sys;
 pub mod takeover;

@@ -264,6 +264,117 @@ pub fn recover(persisted: &SwitchState) -> Recovery {
     }
 }
 
+/// How the agent starts: the state to recover from, and why the persisted state was not used as
+/// it was (reason, message) when it could not be trusted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Start {
+    /// The state [`recover`] runs on.
+    pub state: SwitchState,
+    /// `(reason, message)` for status and an Event.
+    pub problem: Option<(&'static str, String)>,
+}
+
+fn modes_text(modes: &[ProxyMode]) -> String {
+    if modes.is_empty() {
+        return "none".into();
+    }
+    modes
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Decides the start state from the persisted state and what the kernel holds. Pure.
+///
+/// The persisted state is used as it is when the kernel agrees with it (its serving backend
+/// serves) or holds nothing of ours (a rebooted node). Otherwise — the file is missing,
+/// unreadable, or stale — the kernel wins: the backend it serves keeps serving (by preference the
+/// persisted target, then `--mode`), so nothing switches that the NodeProxy spec did not ask for.
+pub fn start_state(
+    loaded: &crate::state_store::Loaded,
+    kernel: &[(ProxyMode, crate::backend::Presence)],
+    initial: ProxyMode,
+) -> Start {
+    use crate::{backend::Presence, state_store::Loaded};
+    let serving: Vec<ProxyMode> = kernel
+        .iter()
+        .filter(|(_, p)| *p == Presence::Serving)
+        .map(|(m, _)| *m)
+        .collect();
+    let pick = |preferred: &[Option<ProxyMode>]| {
+        preferred
+            .iter()
+            .flatten()
+            .find(|m| serving.contains(m))
+            .or(serving.first())
+            .copied()
+            .unwrap_or(initial)
+    };
+    let trusted = |state: &SwitchState| Start {
+        state: state.clone(),
+        problem: None,
+    };
+    match loaded {
+        Loaded::Valid(state) => {
+            let serve = recover(state).serve;
+            if serving.is_empty() || serving.contains(&serve) {
+                return trusted(state);
+            }
+            let keep = pick(&[state.target, Some(initial)]);
+            // The switch that file missed evidently finished: its token is answered.
+            let answered = if Some(keep) == state.target {
+                state.token.clone().or_else(|| state.answered.clone())
+            } else {
+                state.answered.clone()
+            };
+            Start {
+                state: SwitchState {
+                    answered,
+                    ..SwitchState::active(keep)
+                },
+                problem: Some((
+                    "StateFileStale",
+                    format!(
+                        "the state file says {serve} serves ({:?}), but the kernel serves {}: keeping {keep}",
+                        state.phase,
+                        modes_text(&serving)
+                    ),
+                )),
+            }
+        }
+        Loaded::Absent => {
+            let keep = pick(&[Some(initial)]);
+            let problem = (keep != initial || serving.len() > 1).then(|| {
+                (
+                    "StateFileMissing",
+                    format!(
+                        "no state file; the kernel serves {}: keeping {keep} (the configured mode is {initial})",
+                        modes_text(&serving)
+                    ),
+                )
+            });
+            Start {
+                state: SwitchState::active(keep),
+                problem,
+            }
+        }
+        Loaded::Corrupt(why) => {
+            let keep = pick(&[Some(initial)]);
+            Start {
+                state: SwitchState::active(keep),
+                problem: Some((
+                    "StateFileCorrupt",
+                    format!(
+                        "{why}; the kernel serves {}: keeping {keep}",
+                        modes_text(&serving)
+                    ),
+                )),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,5 +589,160 @@ mod tests {
         );
         let r = recover(&SwitchState::active(Nftables));
         assert_eq!((r.serve, r.remove), (Nftables, vec![Iptables, Ipvs]));
+    }
+
+    mod start {
+        use super::*;
+        use crate::{backend::Presence, state_store::Loaded};
+
+        fn kernel(serving: &[ProxyMode], bypassed: &[ProxyMode]) -> Vec<(ProxyMode, Presence)> {
+            ProxyMode::ALL
+                .iter()
+                .map(|m| {
+                    let p = if serving.contains(m) {
+                        Presence::Serving
+                    } else if bypassed.contains(m) {
+                        Presence::Bypassed
+                    } else {
+                        Presence::Absent
+                    };
+                    (*m, p)
+                })
+                .collect()
+        }
+
+        struct Case {
+            name: &'static str,
+            loaded: Loaded,
+            kernel: Vec<(ProxyMode, Presence)>,
+            initial: ProxyMode,
+            active: ProxyMode,
+            answered: Option<&'static str>,
+            problem: Option<&'static str>,
+        }
+
+        #[test]
+        fn the_kernel_wins_over_a_state_it_contradicts() {
+            let active_ipt = SwitchState {
+                answered: Some("t0".into()),
+                ..SwitchState::active(Iptables)
+            };
+            let verifying = SwitchState {
+                phase: Phase::Verifying,
+                active: Iptables,
+                target: Some(Nftables),
+                token: Some("t1".into()),
+                answered: Some("t0".into()),
+                restarts: 0,
+            };
+            let cases = [
+                Case {
+                    name: "valid and agreeing",
+                    loaded: Loaded::Valid(active_ipt.clone()),
+                    kernel: kernel(&[Iptables], &[]),
+                    initial: Nftables,
+                    active: Iptables,
+                    answered: Some("t0"),
+                    problem: None,
+                },
+                Case {
+                    name: "valid, rebooted kernel",
+                    loaded: Loaded::Valid(active_ipt.clone()),
+                    kernel: kernel(&[], &[]),
+                    initial: Nftables,
+                    active: Iptables,
+                    answered: Some("t0"),
+                    problem: None,
+                },
+                Case {
+                    name: "stale: the kernel serves another mode",
+                    loaded: Loaded::Valid(active_ipt.clone()),
+                    kernel: kernel(&[Nftables], &[]),
+                    initial: Iptables,
+                    active: Nftables,
+                    answered: Some("t0"),
+                    problem: Some("StateFileStale"),
+                },
+                Case {
+                    name: "stale mid-switch: the target finished",
+                    loaded: Loaded::Valid(verifying.clone()),
+                    kernel: kernel(&[Nftables], &[]),
+                    initial: Iptables,
+                    active: Nftables,
+                    answered: Some("t1"),
+                    problem: Some("StateFileStale"),
+                },
+                Case {
+                    name: "mid-switch and both serve: the state decides (recovery returns to the old)",
+                    loaded: Loaded::Valid(verifying),
+                    kernel: kernel(&[Iptables, Nftables], &[]),
+                    initial: Iptables,
+                    active: Iptables,
+                    answered: Some("t0"),
+                    problem: None,
+                },
+                Case {
+                    name: "corrupt: keep what serves, not the flag",
+                    loaded: Loaded::Corrupt("empty".into()),
+                    kernel: kernel(&[Nftables], &[]),
+                    initial: Iptables,
+                    active: Nftables,
+                    answered: None,
+                    problem: Some("StateFileCorrupt"),
+                },
+                Case {
+                    name: "corrupt, bypassed leftovers do not serve",
+                    loaded: Loaded::Corrupt("truncated".into()),
+                    kernel: kernel(&[Iptables], &[Nftables]),
+                    initial: Nftables,
+                    active: Iptables,
+                    answered: None,
+                    problem: Some("StateFileCorrupt"),
+                },
+                Case {
+                    name: "corrupt, empty kernel: the flag",
+                    loaded: Loaded::Corrupt("garbage".into()),
+                    kernel: kernel(&[], &[]),
+                    initial: Iptables,
+                    active: Iptables,
+                    answered: None,
+                    problem: Some("StateFileCorrupt"),
+                },
+                Case {
+                    name: "absent, fresh node",
+                    loaded: Loaded::Absent,
+                    kernel: kernel(&[], &[]),
+                    initial: Nftables,
+                    active: Nftables,
+                    answered: None,
+                    problem: None,
+                },
+                Case {
+                    name: "absent, the kernel serves the flag's mode",
+                    loaded: Loaded::Absent,
+                    kernel: kernel(&[Nftables], &[]),
+                    initial: Nftables,
+                    active: Nftables,
+                    answered: None,
+                    problem: None,
+                },
+                Case {
+                    name: "absent, the kernel serves another mode",
+                    loaded: Loaded::Absent,
+                    kernel: kernel(&[Ipvs], &[]),
+                    initial: Nftables,
+                    active: Ipvs,
+                    answered: None,
+                    problem: Some("StateFileMissing"),
+                },
+            ];
+            for c in cases {
+                let start = start_state(&c.loaded, &c.kernel, c.initial);
+                let r = recover(&start.state);
+                assert_eq!(r.serve, c.active, "{}", c.name);
+                assert_eq!(r.state.answered.as_deref(), c.answered, "{}", c.name);
+                assert_eq!(start.problem.as_ref().map(|p| p.0), c.problem, "{}", c.name);
+            }
+        }
     }
 }

@@ -237,6 +237,17 @@ pub enum BackendError {
     },
 }
 
+/// What of a backend the kernel holds, read back from the kernel (not from the backend's memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Presence {
+    /// None of its objects exist.
+    Absent,
+    /// Its objects exist, but its entry points are bypassed (no new connection enters them).
+    Bypassed,
+    /// Its objects exist and its entry points are open: it serves the node.
+    Serving,
+}
+
 /// A service-proxy data plane.
 pub trait Backend: Send {
     /// The mode this backend implements.
@@ -263,6 +274,10 @@ pub trait Backend: Send {
             what: "bypass",
         })
     }
+    /// Reads the kernel (IPv4, which every backend programs) to say whether this backend's objects
+    /// exist and serve. The driver asks this when the persisted switch state is missing, unreadable
+    /// or disagrees with the kernel, so that it keeps serving what the kernel serves.
+    fn presence(&self) -> Result<Presence, BackendError>;
     /// Reads the kernel back and describes every difference from what the last sync programmed
     /// (empty: no drift).
     fn verify(&self) -> Result<Vec<String>, BackendError> {

@@ -162,6 +162,18 @@ pub fn list(
         .collect())
 }
 
+/// Whether any rule of our table of `family` carries `needle` in its attributes (for example a
+/// comment in its user data).
+pub fn rules_contain(family: crate::model::IpFamily, needle: &[u8]) -> Result<bool> {
+    use crate::backend::nftables::encode;
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let replies = transport.dump(&encode::dump_request(family, encode::Msg::GetRule, 1))?;
+    Ok(replies
+        .iter()
+        .filter(|r| r.error.is_none())
+        .any(|r| r.payload.windows(needle.len()).any(|w| w == needle)))
+}
+
 /// Whether our table of `family` exists.
 pub fn table_exists(family: crate::model::IpFamily) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;

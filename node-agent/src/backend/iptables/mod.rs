@@ -438,6 +438,30 @@ impl Backend for IptablesBackend {
         ProxyMode::Iptables
     }
 
+    fn presence(&self) -> Result<super::Presence, BackendError> {
+        let Some(v4) = self.families.iter().find(|t| t.ipt.family() == IpFamily::V4) else {
+            return Ok(super::Presence::Absent);
+        };
+        let (filter, nat) = match (v4.ipt.save(Table::Filter), v4.ipt.save(Table::Nat)) {
+            (Ok(filter), Ok(nat)) => (filter, nat),
+            // The variant's tools are not installed: nothing of ours can be there.
+            (Err(IptablesError::Spawn { .. }), _) | (_, Err(IptablesError::Spawn { .. })) => {
+                return Ok(super::Presence::Absent);
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(e.into()),
+        };
+        if own_chains(&filter).is_empty() && own_chains(&nat).is_empty() {
+            return Ok(super::Presence::Absent);
+        }
+        // Serving: every nat jump into our chains is in place (the bypass removes them).
+        let (_, nat_edits) = jump_edits(false, &filter, &nat);
+        Ok(if nat_edits.is_empty() {
+            super::Presence::Serving
+        } else {
+            super::Presence::Bypassed
+        })
+    }
+
     fn sync(
         &mut self,
         snapshot: &DualSnapshot,

@@ -267,8 +267,14 @@ impl IpvsBackend {
 
     /// The jump rule edits that bring the kernel to the current bypass state.
     fn jump_edits(&self) -> Result<JumpEdits, BackendError> {
-        let filter = self.ipt.save(Table::Filter).map_err(ipt_err)?;
-        let nat = self.ipt.save(Table::Nat).map_err(ipt_err)?;
+        let (filter, nat) = match (self.ipt.save(Table::Filter), self.ipt.save(Table::Nat)) {
+            (Ok(filter), Ok(nat)) => (filter, nat),
+            // Without the variant's tools there are no jump rules of ours.
+            (Err(IptablesError::Spawn { .. }), _) | (_, Err(IptablesError::Spawn { .. })) => {
+                (String::new(), String::new())
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(ipt_err(e)),
+        };
         Ok(JumpEdits::compute(self.bypassed, &filter, &nat))
     }
 
@@ -658,6 +664,30 @@ fn diff_sets<T: Ord + std::fmt::Debug>(
 impl Backend for IpvsBackend {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Ipvs
+    }
+
+    fn presence(&self) -> Result<super::Presence, BackendError> {
+        let (filter, nat) = match (self.ipt.save(Table::Filter), self.ipt.save(Table::Nat)) {
+            (Ok(filter), Ok(nat)) => (filter, nat),
+            // Without the variant's tools there are no jump rules of ours.
+            (Err(IptablesError::Spawn { .. }), _) | (_, Err(IptablesError::Spawn { .. })) => {
+                (String::new(), String::new())
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(ipt_err(e)),
+        };
+        let linked = link::exists(LINK).map_err(|e| cmd_err("ip link")(e.to_string()))?;
+        let chains = [&filter, &nat]
+            .iter()
+            .any(|save| save.lines().any(|l| l.starts_with(":SWY-IPVS")));
+        if !linked && !chains {
+            return Ok(super::Presence::Absent);
+        }
+        // Serving: the jump rules are in their un-bypassed state (nothing to edit to get there).
+        Ok(if JumpEdits::compute(false, &filter, &nat).is_empty() {
+            super::Presence::Serving
+        } else {
+            super::Presence::Bypassed
+        })
     }
 
     /// Programs the IPv4 snapshot: IPVS mode is IPv4-only here (IPv6 services are logged once

@@ -1166,7 +1166,8 @@ mod vm {
     #[test]
     #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
     fn vm_k_switch_driver_moves_ipvs_to_nftables_and_back_under_load() {
-        use crate::driver::{Driver, StateFile};
+        use crate::driver::Driver;
+        use crate::state_store::StateFile;
         use switchyard_crds::v1alpha1::ProxyMode;
         fresh("rr");
         crate::backend::nftables::NftablesBackend::new(Settings::default())
@@ -1178,7 +1179,12 @@ mod vm {
         // The driver runs here, in the director (the node): it programs this namespace and its
         // health-gate probes connect to the ClusterIPs from it (node-local clients); the load
         // comes from the client namespace through the director (remote clients).
-        let mut d = Driver::new(file.clone(), ProxyMode::Ipvs, vm_settings("rr"), "legacy".into());
+        let mut d = Driver::new(
+            Box::new(file.clone()),
+            ProxyMode::Ipvs,
+            vm_settings("rr"),
+            "legacy".into(),
+        );
         d.sync(&snap, &Changes::default(), true).unwrap();
         assert_eq!(
             tcp_ask("10.96.0.10", 80).map(|a| a.starts_with("rs")).ok(),

@@ -34,6 +34,8 @@ pub enum Msg {
     DelChain = 5,
     /// NFT_MSG_NEWRULE.
     NewRule = 6,
+    /// NFT_MSG_GETRULE.
+    GetRule = 7,
     /// NFT_MSG_DELRULE.
     DelRule = 8,
     /// NFT_MSG_NEWSET.

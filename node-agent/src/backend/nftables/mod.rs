@@ -75,6 +75,9 @@ impl NftablesBackend {
     }
 }
 
+/// Comment of the `return` rule that bypasses a base chain (read back by [`Backend::presence`]).
+const BYPASS_COMMENT: &str = "bypassed by switchyard";
+
 /// The fixed part of `family`'s table, with the bypass applied to base chains.
 fn base(settings: &Settings, family: IpFamily, bypassed: bool) -> ir::Ruleset {
     let mut base = render::base(settings, family);
@@ -82,7 +85,7 @@ fn base(settings: &Settings, family: IpFamily, bypassed: bool) -> ir::Ruleset {
         for chain in base.chains.iter_mut().filter(|c| c.base.is_some()) {
             chain.rules.insert(
                 0,
-                ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment("bypassed by switchyard"),
+                ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment(BYPASS_COMMENT),
             );
         }
     }
@@ -556,6 +559,19 @@ impl Backend for NftablesBackend {
             table.set_bypass(&self.settings, bypassed)?;
         }
         Ok(())
+    }
+
+    fn presence(&self) -> Result<super::Presence, BackendError> {
+        if !sys::nft::table_exists(IpFamily::V4)? {
+            return Ok(super::Presence::Absent);
+        }
+        // A bypassed base chain starts with a `return` carrying BYPASS_COMMENT (its user data).
+        let bypassed = sys::nft::rules_contain(IpFamily::V4, BYPASS_COMMENT.as_bytes())?;
+        Ok(if bypassed {
+            super::Presence::Bypassed
+        } else {
+            super::Presence::Serving
+        })
     }
 
     fn verify(&self) -> Result<Vec<String>, BackendError> {
