@@ -36,6 +36,19 @@ struct HealthState {
     oldest_pending: Option<Instant>,
     last_updated: SystemTime,
     node_eligible: bool,
+    /// Watches (by name) currently failing: since when, and the last error.
+    api_failing: BTreeMap<&'static str, (SystemTime, String)>,
+}
+
+/// The apiserver as the agent's watches see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiView {
+    /// No watch is failing.
+    pub reachable: bool,
+    /// When the oldest failing watch started failing.
+    pub unreachable_since: Option<SystemTime>,
+    /// The most recent error.
+    pub last_error: Option<String>,
 }
 
 /// A point-in-time view of health.
@@ -55,6 +68,7 @@ impl ProxyHealth {
                 oldest_pending: None,
                 last_updated: SystemTime::now(),
                 node_eligible: true,
+                api_failing: BTreeMap::new(),
             }),
             timeout,
         }
@@ -92,6 +106,39 @@ impl ProxyHealth {
         self.with(|s| HealthView {
             healthy: s.oldest_pending.is_none_or(|t| t.elapsed() < self.timeout),
             node_eligible: s.node_eligible,
+        })
+    }
+
+    /// The watch `what` failed with `error`; returns whether this starts its failure.
+    pub fn api_failed(&self, what: &'static str, error: String) -> bool {
+        self.with(|s| match s.api_failing.get_mut(what) {
+            Some(entry) => {
+                entry.1 = error;
+                false
+            }
+            None => {
+                s.api_failing.insert(what, (SystemTime::now(), error));
+                true
+            }
+        })
+    }
+
+    /// The watch `what` delivered an event; returns how long it had been failing, if it was.
+    pub fn api_recovered(&self, what: &'static str) -> Option<Duration> {
+        self.with(|s| s.api_failing.remove(what))
+            .map(|(since, _)| since.elapsed().unwrap_or_default())
+    }
+
+    /// The apiserver's reachability.
+    pub fn api_view(&self) -> ApiView {
+        self.with(|s| ApiView {
+            reachable: s.api_failing.is_empty(),
+            unreachable_since: s.api_failing.values().map(|(t, _)| *t).min(),
+            last_error: s
+                .api_failing
+                .values()
+                .max_by_key(|(t, _)| *t)
+                .map(|(_, e)| e.clone()),
         })
     }
 
@@ -157,6 +204,14 @@ async fn healthz(State(s): State<HttpState>, livez: bool) -> impl IntoResponse {
     if !livez {
         body["nodeEligible"] = json!(view.node_eligible);
     }
+    // An outage does not fail the probes (the data path keeps serving what it programmed, as
+    // kube-proxy's does), but it is said here and in the metrics.
+    let api = s.health.api_view();
+    body["apiServer"] = json!({
+        "reachable": api.reachable,
+        "unreachableSince": api.unreachable_since.map(rfc3339),
+        "lastError": api.last_error,
+    });
     reply(code, body)
 }
 

@@ -27,6 +27,14 @@ struct Args {
     /// Kubeconfig to use; default: in-cluster service account, then $KUBECONFIG.
     #[arg(long, env = "SWITCHYARD_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// Host (name or address) of the apiserver to use instead of the kubeconfig's server or the
+    /// `kubernetes` Service's ClusterIP (`KUBERNETES_SERVICE_HOST`), which only works once a proxy
+    /// serves it. The credentials stay those of the kubeconfig or the pod's service account.
+    #[arg(long, env = "SWITCHYARD_APISERVER_HOST")]
+    apiserver_host: Option<String>,
+    /// Port of `--apiserver-host`.
+    #[arg(long, env = "SWITCHYARD_APISERVER_PORT", default_value_t = 6443)]
+    apiserver_port: u16,
     /// Print the probed capabilities as JSON and exit, without contacting the API.
     #[arg(long)]
     probe: bool,
@@ -106,8 +114,12 @@ async fn capabilities() -> Result<switchyard_crds::v1alpha1::Capabilities> {
     Ok(probe::decide(&facts))
 }
 
-async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
-    let config = match kubeconfig {
+async fn client(
+    kubeconfig: Option<&PathBuf>,
+    apiserver_host: Option<&str>,
+    apiserver_port: u16,
+) -> Result<Client> {
+    let mut config = match kubeconfig {
         Some(path) => {
             let kc =
                 Kubeconfig::read_from(path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
@@ -119,6 +131,12 @@ async fn client(kubeconfig: Option<&PathBuf>) -> Result<Client> {
             .await
             .map_err(|e| Error::Config(format!("no kubeconfig: {e}")))?,
     };
+    if let Some(host) = apiserver_host {
+        config.cluster_url = switchyard_crds::apiserver_url(host, apiserver_port)
+            .parse()
+            .map_err(|e| Error::Config(format!("--apiserver-host {host}: {e}")))?;
+        tracing::info!(server = %config.cluster_url, "using the configured apiserver endpoint");
+    }
     Client::try_from(config).map_err(|source| Error::Kube {
         action: "build client".into(),
         source,
@@ -209,11 +227,17 @@ async fn run(args: Args) -> Result<()> {
         .node_name
         .clone()
         .ok_or_else(|| Error::Config("--node-name (or NODE_NAME) is required".into()))?;
-    let client = client(args.kubeconfig.as_ref()).await?;
+    let client = client(
+        args.kubeconfig.as_ref(),
+        args.apiserver_host.as_deref(),
+        args.apiserver_port,
+    )
+    .await?;
     if args.render {
         return render(&args, &client, node).await;
     }
-    report::ensure_registered(&client, &node).await?;
+    // No API call before the proxy loop: an agent started while the apiserver is down must come
+    // up and keep the node's rules (the loop registers the NodeProxy once the API answers).
     let caps = capabilities().await?;
     tracing::info!(node, kernel = caps.kernel_version, modes = ?caps.supported_modes, "capabilities probed");
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -252,6 +276,7 @@ async fn report_only(
     mut caps: switchyard_crds::v1alpha1::Capabilities,
     terminate: &mut tokio::signal::unix::Signal,
 ) -> Result<()> {
+    let mut registered = false;
     loop {
         let status = switchyard_crds::v1alpha1::NodeProxyStatus {
             agent_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
@@ -259,9 +284,21 @@ async fn report_only(
             phase: Some(switchyard_crds::v1alpha1::SwitchPhase::Initializing),
             ..Default::default()
         };
-        report::apply_status(client, node, &status).await?;
+        // API errors are retried (every 5 s), never fatal.
+        let mut wait = Duration::from_secs(args.report_interval_seconds);
+        let reported = async {
+            if !registered {
+                report::ensure_registered(client, node).await?;
+                registered = true;
+            }
+            report::apply_status(client, node, &status).await
+        };
+        if let Err(e) = reported.await {
+            tracing::warn!(error = %e, "reporting capabilities failed; retrying");
+            wait = wait.min(Duration::from_secs(5));
+        }
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(args.report_interval_seconds)) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = tokio::signal::ctrl_c() => return Ok(()),
             _ = terminate.recv() => return Ok(()),
         }

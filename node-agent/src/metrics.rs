@@ -63,6 +63,16 @@ pub struct Metrics {
     pub programmed_services: Family<ModeLabel, Gauge>,
     /// switchyard_sync_objects_written{mode}: kernel objects written by the last sync.
     pub objects_written: Family<ModeLabel, Gauge>,
+    /// switchyard_apiserver_reachable: 1 while every watch is healthy, 0 while one is failing.
+    pub apiserver_reachable: Gauge,
+    /// switchyard_apiserver_unreachable_since_timestamp_seconds: when the current outage began
+    /// (0 while the apiserver is reachable).
+    pub apiserver_unreachable_since: Gauge<f64, AtomicU64>,
+    /// switchyard_apiserver_errors_total: watch and request errors seen.
+    pub apiserver_errors_total: Counter,
+    /// switchyard_state_file_problem: 1 while the persisted switch state was unreadable, stale
+    /// (disagreed with the kernel) or could not be written; 0 otherwise.
+    pub state_file_problem: Gauge,
 }
 
 impl Default for Metrics {
@@ -90,6 +100,10 @@ impl Metrics {
             sync_failures: Family::default(),
             programmed_services: Family::default(),
             objects_written: Family::default(),
+            apiserver_reachable: Gauge::default(),
+            apiserver_unreachable_since: Gauge::default(),
+            apiserver_errors_total: Counter::default(),
+            state_file_problem: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -162,6 +176,27 @@ impl Metrics {
             "Kernel objects written by the last sync, by mode",
             m.objects_written.clone(),
         );
+        registry.register(
+            "switchyard_apiserver_reachable",
+            "1 while every watch on the apiserver is healthy, 0 during an outage",
+            m.apiserver_reachable.clone(),
+        );
+        registry.register(
+            "switchyard_apiserver_unreachable_since_timestamp_seconds",
+            "Start of the current apiserver outage (0 while reachable)",
+            m.apiserver_unreachable_since.clone(),
+        );
+        registry.register(
+            "switchyard_apiserver_errors",
+            "Watch and request errors from the apiserver",
+            m.apiserver_errors_total.clone(),
+        );
+        registry.register(
+            "switchyard_state_file_problem",
+            "1 while the persisted switch state is unreadable, stale or unwritable",
+            m.state_file_problem.clone(),
+        );
+        m.apiserver_reachable.set(1);
         Self { registry, ..m }
     }
 

@@ -78,3 +78,32 @@ pub async fn apply_status(client: &Client, node_name: &str, status: &NodeProxySt
         .map_err(kube_err(format!("apply nodeproxy {node_name} status")))?;
     Ok(())
 }
+
+/// Publishes a Warning Event about the node's NodeProxy (reason in CamelCase, a note saying what
+/// happened and what the agent does).
+pub async fn publish_warning(client: &Client, node_name: &str, reason: &str, note: &str) -> Result<()> {
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+    let reporter = Reporter {
+        controller: AGENT_FIELD_MANAGER.into(),
+        instance: Some(node_name.to_owned()),
+    };
+    let reference = k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some(NodeProxy::api_version(&()).into_owned()),
+        kind: Some(NodeProxy::kind(&()).into_owned()),
+        name: Some(node_name.to_owned()),
+        ..Default::default()
+    };
+    Recorder::new(client.clone(), reporter)
+        .publish(
+            &Event {
+                type_: EventType::Warning,
+                reason: reason.into(),
+                note: Some(note.chars().take(1024).collect()),
+                action: "Start".into(),
+                secondary: None,
+            },
+            &reference,
+        )
+        .await
+        .map_err(kube_err(format!("publish event for nodeproxy {node_name}")))
+}

@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{
@@ -23,12 +23,13 @@ use tokio::sync::Notify;
 use crate::{
     Error, Result,
     backend::{self, Settings},
-    driver::{Driver, Finished, StateFile},
+    driver::{Driver, Finished},
     health::{HealthCheckPorts, ProxyHealth, ServiceHealthServers},
     metrics::{Metrics, ModeLabel, TrafficPolicy},
     model::ServiceName,
     model::{DualSnapshot, IpNet, NodeInfo, categorize, tracker::Tracker},
     report,
+    state_store::StateFile,
     switch::Desired,
 };
 
@@ -143,8 +144,9 @@ struct Shared {
     node: Mutex<Option<Node>>,
     wish: Mutex<Wish>,
     proxy_settings: Mutex<Option<ProxySettings>>,
-    /// Our NodeProxy was deleted: register it again before the next report.
-    deleted: std::sync::atomic::AtomicBool,
+    /// Our NodeProxy is not known to exist (at start, or it was deleted): register it before the
+    /// next report.
+    needs_registration: std::sync::atomic::AtomicBool,
     wake: Notify,
     health: Arc<ProxyHealth>,
     metrics: Arc<Metrics>,
@@ -220,17 +222,87 @@ impl Tracked for EndpointSlice {
     }
 }
 
+/// Backoff of the agent's watches after an error: 250 ms doubling to 1 s, so a returning
+/// apiserver is seen within a second (the agent has four small watches, so retrying this often
+/// costs an apiserver little). Reset by every event.
+#[derive(Debug, Clone)]
+struct WatchBackoff {
+    next: Duration,
+}
+
+impl WatchBackoff {
+    const INITIAL: Duration = Duration::from_millis(250);
+    const MAX: Duration = Duration::from_secs(1);
+
+    fn new() -> Self {
+        Self { next: Self::INITIAL }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        let now = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        Some(now) // never gives up: the agent outlives any apiserver outage
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::INITIAL;
+    }
+}
+
+/// Unwraps one watch item: an error is counted, logged (once per outage at warn level) and
+/// reported in health and metrics, and the watch goes on (it re-lists or re-watches itself).
+fn watch_item<T>(shared: &Shared, what: &'static str, item: Result<T, watcher::Error>) -> Option<T> {
+    match item {
+        Ok(event) => {
+            if let Some(down) = shared.health.api_recovered(what) {
+                tracing::info!(
+                    watch = what,
+                    outage_seconds = down.as_secs_f64(),
+                    "watch recovered"
+                );
+                api_metrics(shared);
+            }
+            Some(event)
+        }
+        Err(e) => {
+            shared.metrics.apiserver_errors_total.inc();
+            if shared.health.api_failed(what, e.to_string()) {
+                tracing::warn!(watch = what, error = %e, "watch failed; retrying until the apiserver answers (the kernel keeps serving the last programmed rules)");
+                api_metrics(shared);
+            } else {
+                tracing::debug!(watch = what, error = %e, "watch still failing");
+            }
+            None
+        }
+    }
+}
+
+fn api_metrics(shared: &Shared) {
+    let view = shared.health.api_view();
+    shared.metrics.apiserver_reachable.set(i64::from(view.reachable));
+    shared.metrics.apiserver_unreachable_since.set(
+        view.unreachable_since
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or(0.0, |d| d.as_secs_f64()),
+    );
+}
+
 /// Feeds one kind's watch events into the tracker; a relist replaces the kind's whole state.
+/// Never ends: errors are retried with [`WatchBackoff`].
 async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Result<()> {
     let mut init: Vec<K> = Vec::new();
     let mut stream = watcher(Api::<K>::all(client), watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::new())
         .boxed();
-    while let Some(event) = stream
-        .try_next()
-        .await
-        .map_err(|e| Error::Config(format!("{} watch: {e}", K::WHAT)))?
-    {
+    while let Some(item) = stream.next().await {
+        let Some(event) = watch_item(&shared, K::WHAT, item) else {
+            continue;
+        };
         let changed = {
             let mut t = lock(&shared.tracker);
             match event {
@@ -265,14 +337,13 @@ async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Resul
 async fn watch_node(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
     let mut stream = watcher(Api::<Node>::all(client), config)
-        .default_backoff()
-        .touched_objects()
+        .backoff(WatchBackoff::new())
         .boxed();
-    while let Some(node) = stream
-        .try_next()
-        .await
-        .map_err(|e| Error::Config(format!("node watch: {e}")))?
-    {
+    while let Some(item) = stream.next().await {
+        let node = match watch_item(&shared, "node", item) {
+            Some(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => node,
+            _ => continue,
+        };
         shared.health.set_node_eligible(node_eligible(Some(&node)));
         *lock(&shared.node) = Some(trim(node));
         notify(&shared);
@@ -352,7 +423,7 @@ pub async fn run(
         node: Mutex::new(None),
         wish: Mutex::new(Wish::default()),
         proxy_settings: Mutex::new(None),
-        deleted: std::sync::atomic::AtomicBool::new(false),
+        needs_registration: std::sync::atomic::AtomicBool::new(true),
         wake: Notify::new(),
         health,
         metrics,
@@ -389,13 +460,12 @@ struct Wish {
 async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) -> Result<()> {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
     let mut stream = watcher(Api::<NodeProxy>::all(client), config)
-        .default_backoff()
+        .backoff(WatchBackoff::new())
         .boxed();
-    while let Some(event) = stream
-        .try_next()
-        .await
-        .map_err(|e| Error::Config(format!("nodeproxy watch: {e}")))?
-    {
+    while let Some(item) = stream.next().await {
+        let Some(event) = watch_item(&shared, "nodeproxy", item) else {
+            continue;
+        };
         match event {
             watcher::Event::Apply(np) | watcher::Event::InitApply(np) => {
                 let wish = Wish {
@@ -416,7 +486,9 @@ async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) 
                 *lock(&shared.proxy_settings) = np.spec.proxy.clone();
             }
             // Deleted under us: the sync loop registers it again and reports at once.
-            watcher::Event::Delete(_) => shared.deleted.store(true, std::sync::atomic::Ordering::Relaxed),
+            watcher::Event::Delete(_) => shared
+                .needs_registration
+                .store(true, std::sync::atomic::Ordering::Relaxed),
             watcher::Event::Init | watcher::Event::InitDone => continue,
         }
         shared.wake.notify_one();
@@ -468,7 +540,7 @@ fn status(
     driver: &Driver,
     stats: Option<(&backend::SyncStats, Duration, &DualSnapshot)>,
     wish: &Wish,
-    previous: Option<&Condition>,
+    previous: &[Condition],
 ) -> NodeProxyStatus {
     let last = driver.last.as_ref();
     let current = last
@@ -497,9 +569,32 @@ fn status(
         }
         (false, _) => condition(false, "Switching", format!("switch phase {:?}", driver.phase())),
     };
+    let mut state_condition = match &driver.state_problem {
+        Some(p) => Condition {
+            type_: "StateConsistent".into(),
+            status: "False".into(),
+            reason: p.reason.into(),
+            message: p.message.clone(),
+            last_transition_time: now_time(),
+            observed_generation: wish.generation,
+        },
+        None => Condition {
+            type_: "StateConsistent".into(),
+            status: "True".into(),
+            reason: "Consistent".into(),
+            message: "the persisted switch state agrees with the kernel".into(),
+            last_transition_time: now_time(),
+            observed_generation: wish.generation,
+        },
+    };
     // The transition time moves only when the condition's status does.
-    if let Some(p) = previous.filter(|p| p.status == healthy_condition.status) {
-        healthy_condition.last_transition_time = p.last_transition_time.clone();
+    for c in [&mut healthy_condition, &mut state_condition] {
+        if let Some(p) = previous
+            .iter()
+            .find(|p| p.type_ == c.type_ && p.status == c.status)
+        {
+            c.last_transition_time = p.last_transition_time.clone();
+        }
     }
     NodeProxyStatus {
         observed_generation: wish.generation,
@@ -535,7 +630,7 @@ fn status(
                 .sum::<usize>() as i64,
             rules: stats.rules_total as i64,
         }),
-        conditions: vec![healthy_condition],
+        conditions: vec![healthy_condition, state_condition],
     }
 }
 
@@ -555,7 +650,10 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
     let mut last_stats: Option<(backend::SyncStats, Duration)>;
     let mut health_servers = ServiceHealthServers::new(shared.health.clone());
     let mut took_over = !config.takeover_kube_proxy;
-    let mut reported_condition: Option<Condition> = None;
+    let mut reported_conditions: Vec<Condition> = Vec::new();
+    // The state problem an Event was published for.
+    let mut announced: Option<crate::driver::StateProblem> = None;
+    let mut prior_loaded = false;
     loop {
         let tick = if driver.as_ref().is_some_and(Driver::switching) {
             Duration::from_secs(1)
@@ -580,15 +678,12 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             node.as_ref(),
         );
         if driver.is_none() {
-            let mut d = Driver::new(
-                StateFile(config.state_dir.join("state.json")),
+            let d = Driver::new(
+                Box::new(StateFile(config.state_dir.join("state.json"))),
                 config.mode,
                 settings.clone(),
                 config.iptables_variant.clone(),
             );
-            // Our status is applied whole (server-side apply): carry the last switch result over a
-            // restart, or the restart would erase it.
-            d.last = previous_switch(&client, &config.node_name).await;
             driver = Some(d);
         }
         let Some(d) = driver.as_mut() else { continue };
@@ -757,21 +852,57 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
             shared.wake.notify_one();
         }
         let Some(d) = driver.as_mut() else { continue };
-        if shared.deleted.swap(false, std::sync::atomic::Ordering::Relaxed) {
+        if shared
+            .needs_registration
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
             match report::ensure_registered(&client, &config.node_name).await {
                 Ok(()) => d.dirty = true,
                 Err(e) => {
-                    tracing::warn!(error = %e, "re-registering the deleted NodeProxy failed");
-                    shared.deleted.store(true, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(error = %e, "registering the NodeProxy failed; retrying");
+                    shared
+                        .needs_registration
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
                 }
             }
         }
+        shared
+            .metrics
+            .state_file_problem
+            .set(i64::from(d.state_problem.is_some()));
+        if let Some(problem) = d
+            .state_problem
+            .as_ref()
+            .filter(|p| announced.as_ref() != Some(*p))
+        {
+            match report::publish_warning(&client, &config.node_name, problem.reason, &problem.message).await
+            {
+                Ok(()) => announced = Some(problem.clone()),
+                Err(e) => tracing::warn!(error = %e, "publishing the state-file Event failed; retrying"),
+            }
+        }
         if d.dirty || last_report.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+            // Our status is applied whole (server-side apply): carry the last switch result over a
+            // restart, or the restart would erase it. No report until it has been read.
+            if !prior_loaded {
+                match previous_switch(&client, &config.node_name).await {
+                    Ok(prior) => {
+                        if d.last.is_none() {
+                            d.last = prior;
+                        }
+                        prior_loaded = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the last reported switch failed; status report postponed");
+                        continue;
+                    }
+                }
+            }
             let stats = last_stats.as_ref().map(|(s, t)| (s, *t, &snapshot));
-            let report_status = status(&config, d, stats, &wish, reported_condition.as_ref());
+            let report_status = status(&config, d, stats, &wish, &reported_conditions);
             match report::apply_status(&client, &config.node_name, &report_status).await {
                 Ok(()) => {
-                    reported_condition = report_status.conditions.into_iter().next();
+                    reported_conditions = report_status.conditions;
                     last_report = Some(Instant::now());
                     d.dirty = false;
                 }
@@ -796,15 +927,23 @@ async fn sync_loop(client: Client, config: Config, shared: Arc<Shared>) -> Resul
 }
 
 /// The last switch result this node reported before the agent (re)started.
-async fn previous_switch(client: &Client, node: &str) -> Option<Finished> {
-    let np = Api::<NodeProxy>::all(client.clone()).get_opt(node).await.ok()??;
-    let last = np.status?.last_switch?;
+async fn previous_switch(client: &Client, node: &str) -> Result<Option<Finished>> {
+    let np = Api::<NodeProxy>::all(client.clone())
+        .get_opt(node)
+        .await
+        .map_err(|source| Error::Kube {
+            action: format!("get nodeproxy {node}"),
+            source,
+        })?;
+    let Some(last) = np.and_then(|np| np.status).and_then(|s| s.last_switch) else {
+        return Ok(None);
+    };
     let result: &'static str = match last.result.as_str() {
         "Succeeded" => "Succeeded",
         "RolledBack" => "RolledBack",
         _ => "Failed",
     };
-    Some(Finished {
+    Ok(Some(Finished {
         from: last.from.unwrap_or(last.to),
         to: last.to,
         result,
@@ -815,7 +954,7 @@ async fn previous_switch(client: &Client, node: &str) -> Option<Finished> {
             .finished_at
             .map(|t| t.0)
             .unwrap_or_else(k8s_openapi::jiff::Timestamp::now),
-    })
+    }))
 }
 
 /// Parses a cluster CIDR list as kube-proxy's `--cluster-cidr` takes it: one CIDR, or one per
