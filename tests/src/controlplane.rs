@@ -38,6 +38,7 @@ fn free_port() -> Result<u16> {
 pub struct ControlPlane {
     dir: PathBuf,
     processes: Vec<Child>,
+    pki: Pki,
     /// Loopback port of the apiserver.
     pub port: u16,
     /// Directory holding kubectl and the control-plane binaries.
@@ -47,17 +48,17 @@ pub struct ControlPlane {
 impl ControlPlane {
     /// Builds (if needed) and starts etcd and kube-apiserver, and waits until the apiserver is ready.
     pub async fn start() -> Result<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// Like [`ControlPlane::start`], with extra kube-apiserver flags (later flags win, so these
+    /// can also override the defaults).
+    pub async fn start_with(extra_apiserver_args: &[String]) -> Result<Self> {
         sweep::sweep_leftovers();
         let bin = binaries::control_plane_bin()?;
         let (pid, seq) = sweep::next_id();
         let dir = std::env::temp_dir().join(format!("{}-{pid}-{seq}", sweep::PREFIX));
         std::fs::create_dir_all(&dir).map_err(io_err("create run dir"))?;
-        let mut cp = Self {
-            dir,
-            processes: Vec::new(),
-            port: 0,
-            bin,
-        };
         let pki = Pki::generate(&[
             IpAddr::V4(Ipv4Addr::LOCALHOST),
             IpAddr::V4(ADVERTISE_ADDRESS),
@@ -65,6 +66,14 @@ impl ControlPlane {
                 .parse()
                 .map_err(|_| Error::Prerequisite("ip".into()))?,
         ])?;
+        let mut cp = Self {
+            dir,
+            processes: Vec::new(),
+            pki,
+            port: 0,
+            bin,
+        };
+        let pki = &cp.pki;
         for (name, body) in [
             ("ca.crt", &pki.ca_cert),
             ("apiserver.crt", &pki.serving_cert),
@@ -93,28 +102,34 @@ impl ControlPlane {
             ],
         )?;
         cp.port = free_port()?;
-        cp.spawn(
-            "kube-apiserver",
-            &[
-                &format!("--etcd-servers=http://127.0.0.1:{client_port}"),
-                "--bind-address=127.0.0.1",
-                &format!("--secure-port={}", cp.port),
-                &format!("--advertise-address={ADVERTISE_ADDRESS}"),
-                &format!("--cert-dir={d}/certs"),
-                &format!("--tls-cert-file={d}/apiserver.crt"),
-                &format!("--tls-private-key-file={d}/apiserver.key"),
-                &format!("--client-ca-file={d}/ca.crt"),
-                &format!("--service-cluster-ip-range={SERVICE_CIDR},{SERVICE_CIDR6}"),
-                "--service-account-issuer=https://kubernetes.default.svc",
-                &format!("--service-account-key-file={d}/sa.pub"),
-                &format!("--service-account-signing-key-file={d}/sa.key"),
-                "--authorization-mode=RBAC",
-                "--allow-privileged=true",
-                "--enable-priority-and-fairness=false",
-                "--profiling=false",
-                "--endpoint-reconciler-type=lease",
-            ],
-        )?;
+        let base: &[&str] = &[
+            &format!("--etcd-servers=http://127.0.0.1:{client_port}"),
+            "--bind-address=127.0.0.1",
+            &format!("--secure-port={}", cp.port),
+            &format!("--advertise-address={ADVERTISE_ADDRESS}"),
+            &format!("--cert-dir={d}/certs"),
+            &format!("--tls-cert-file={d}/apiserver.crt"),
+            &format!("--tls-private-key-file={d}/apiserver.key"),
+            &format!("--client-ca-file={d}/ca.crt"),
+            &format!("--service-cluster-ip-range={SERVICE_CIDR},{SERVICE_CIDR6}"),
+            "--service-account-issuer=https://kubernetes.default.svc",
+            &format!("--service-account-key-file={d}/sa.pub"),
+            &format!("--service-account-signing-key-file={d}/sa.key"),
+            // Node (and NodeRestriction) for kubelets with `system:node:<name>` certificates.
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            // The apiserver's client certificate for kubelets (logs, exec, port-forward).
+            &format!("--kubelet-client-certificate={d}/admin.crt"),
+            &format!("--kubelet-client-key={d}/admin.key"),
+            "--allow-privileged=true",
+            "--enable-priority-and-fairness=false",
+            "--profiling=false",
+            "--endpoint-reconciler-type=lease",
+        ];
+        let mut apiserver_args: Vec<String> = base.iter().map(|a| a.to_string()).collect();
+        apiserver_args.extend_from_slice(extra_apiserver_args);
+        let apiserver_args: Vec<&str> = apiserver_args.iter().map(String::as_str).collect();
+        cp.spawn("kube-apiserver", &apiserver_args)?;
         cp.write_kubeconfig(
             "admin",
             &format!("https://127.0.0.1:{}", cp.port),
@@ -193,6 +208,11 @@ impl ControlPlane {
                 format!("    client-certificate: {d}/admin.crt\n    client-key: {d}/admin.key\n")
             }
             Credential::Token(token) => format!("    token: {token}\n"),
+            Credential::Certificate { cert, key } => format!(
+                "    client-certificate: {}\n    client-key: {}\n",
+                cert.display(),
+                key.display()
+            ),
         };
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    certificate-authority: {d}/ca.crt\nusers:\n- name: {name}\n  user:\n{user}contexts:\n- name: {name}\n  context:\n    cluster: test\n    user: {name}\ncurrent-context: {name}\n"
@@ -200,6 +220,11 @@ impl ControlPlane {
         let path = self.dir.join(format!("{name}.kubeconfig"));
         std::fs::write(&path, text).map_err(io_err("write kubeconfig"))?;
         Ok(path)
+    }
+
+    /// The certificates (to issue more client certificates from the cluster's CA).
+    pub fn pki(&self) -> &Pki {
+        &self.pki
     }
 
     /// Path of the admin kubeconfig.
@@ -341,6 +366,13 @@ pub enum Credential {
     Admin,
     /// A bearer token.
     Token(String),
+    /// A client certificate and its key (PEM files).
+    Certificate {
+        /// Certificate file.
+        cert: PathBuf,
+        /// Key file.
+        key: PathBuf,
+    },
 }
 
 impl Drop for ControlPlane {

@@ -1,11 +1,16 @@
 //! End-to-end harness for Switchyard: a real etcd + kube-apiserver ([`controlplane`]), nodes that
 //! are network namespaces with a real kernel data path ([`netns`]), and the project's own binaries
 //! ([`binaries`]). Everything it starts it stops, also on panic (Drop), and a new run sweeps what a
-//! crashed run left behind ([`sweep`]).
+//! crashed run left behind ([`sweep`]). The real-node tier ([`cluster`]) adds
+//! kube-controller-manager, kube-scheduler, and a containerd and kubelet in every node
+//! ([`kubelet`]), with images packed and loaded from archives ([`images`]).
 
 pub mod agent;
 pub mod binaries;
+pub mod cluster;
 pub mod controlplane;
+pub mod images;
+pub mod kubelet;
 pub mod netns;
 pub mod objects;
 pub mod operator;

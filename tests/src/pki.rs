@@ -1,5 +1,6 @@
 //! Certificates for a test control plane: a CA, the apiserver's serving certificate, an admin
-//! client certificate, and the service-account token signing key.
+//! client certificate, and the service-account token signing key; more client certificates from
+//! the same CA on demand ([`Pki::client_cert`]: controller-manager, scheduler, kubelets).
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
@@ -24,6 +25,7 @@ pub struct Pki {
     pub service_account_key: String,
     /// Public half of `service_account_key`.
     pub service_account_public_key: String,
+    ca: CertifiedIssuer<'static, KeyPair>,
 }
 
 impl Pki {
@@ -73,6 +75,21 @@ impl Pki {
             admin_key: admin_key.serialize_pem(),
             service_account_key: sa_key.serialize_pem(),
             service_account_public_key: sa_key.public_key_pem(),
+            ca,
         })
+    }
+
+    /// A client certificate for user `common_name`, in group `organization` if given, signed by
+    /// the CA: (certificate PEM, key PEM).
+    pub fn client_cert(&self, common_name: &str, organization: Option<&str>) -> Result<(String, String)> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.distinguished_name.push(DnType::CommonName, common_name);
+        if let Some(org) = organization {
+            params.distinguished_name.push(DnType::OrganizationName, org);
+        }
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &self.ca)?;
+        Ok((cert.pem(), key.serialize_pem()))
     }
 }

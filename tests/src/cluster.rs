@@ -1,0 +1,518 @@
+//! A real cluster for tests: the control plane of [`crate::controlplane`] plus kube-controller-manager
+//! and kube-scheduler, and network-namespace nodes ([`crate::netns`]) each running a real containerd
+//! and kubelet ([`crate::kubelet`]). DaemonSets, Deployments, EndpointSlices, ServiceAccount tokens,
+//! node lifecycle and garbage collection are the real controllers'.
+//!
+//! ```text
+//!   root ns:   etcd, kube-apiserver (127.0.0.1), kube-controller-manager, kube-scheduler
+//!              apiserver → kubelets (logs, exec, port-forward): an egress selector sends them over a
+//!              unix socket to this harness, which dials the node from inside the fabric namespace
+//!   fabric:    10.250.0.1:<port> → apiserver (netns.rs); routes to every node's pod CIDRs
+//!   node-i:    containerd + kubelet (own mount namespace, cgroup, directories); pods on cbr0
+//! ```
+//! Nothing addresses a private range from the root namespace: kubelets reach the apiserver through
+//! the fabric's forwarder, the apiserver reaches kubelets through the egress proxy.
+//!
+//! Usage:
+//! ```no_run
+//! # async fn f() -> switchyard_e2e::Result<()> {
+//! let cluster = switchyard_e2e::cluster::KubeletCluster::start(3).await?;
+//! cluster.load_image(std::path::Path::new("/path/to/image.tar"))?;
+//! cluster.kubectl_ok(&["apply", "-f", "-"], Some("..."))?;
+//! # Ok(()) }
+//! ```
+
+use std::{
+    fs::File,
+    io::{Read, Write},
+    net::{IpAddr, SocketAddr, TcpStream},
+    os::{
+        fd::AsFd,
+        unix::net::{UnixListener, UnixStream},
+    },
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::{Api, Client, api::PostParams};
+use nix::sched::{CloneFlags, setns};
+use serde_json::json;
+
+use crate::{
+    Error, Result,
+    controlplane::{ControlPlane, Credential},
+    images, io_err,
+    kubelet::KubeletNode,
+    netns, sweep, tools,
+};
+
+/// A control plane with controllers and scheduler, and kubelet nodes. Dropping it stops the nodes
+/// (in parallel), the controllers, the egress proxy, the namespaces and the control plane.
+pub struct KubeletCluster {
+    /// The kubelet nodes, `node-1`...
+    pub nodes: Vec<KubeletNode>,
+    controllers: Vec<(&'static str, Child)>,
+    egress: Option<EgressProxy>,
+    /// The network namespaces (fabric and nodes; no harness pods).
+    pub net: netns::Cluster,
+    /// The control plane (admin kubeconfig, kubectl, clients).
+    pub cp: ControlPlane,
+    dir: PathBuf,
+    /// How long each start-up phase took.
+    pub timings: Vec<(&'static str, Duration)>,
+}
+
+impl KubeletCluster {
+    /// Starts everything for `nodes` nodes and waits until every Node is Ready and untainted.
+    pub async fn start(nodes: usize) -> Result<Self> {
+        let t0 = Instant::now();
+        sweep::sweep_leftovers();
+        let (pid, seq) = sweep::next_id();
+        let dir = std::env::temp_dir().join(format!("{}-{pid}-{seq}", sweep::PREFIX));
+        std::fs::create_dir_all(&dir).map_err(io_err("create cluster dir"))?;
+        let egress_socket = dir.join("egress.sock");
+        let egress_config = dir.join("egress.yaml");
+        std::fs::write(
+            &egress_config,
+            format!(
+                "apiVersion: apiserver.k8s.io/v1beta1\nkind: EgressSelectorConfiguration\negressSelections:\n- name: cluster\n  connection:\n    proxyProtocol: HTTPConnect\n    transport:\n      uds:\n        udsName: {}\n",
+                egress_socket.display()
+            ),
+        )
+        .map_err(io_err("write egress config"))?;
+        let cp = match ControlPlane::start_with(&[format!(
+            "--egress-selector-config-file={}",
+            egress_config.display()
+        )])
+        .await
+        {
+            Ok(cp) => cp,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let net = match netns::Cluster::create(nodes, 0, cp.port) {
+            Ok(net) => net,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let mut cluster = Self {
+            nodes: Vec::new(),
+            controllers: Vec::new(),
+            egress: None,
+            net,
+            cp,
+            dir,
+            timings: Vec::new(),
+        };
+        cluster
+            .timings
+            .push(("control plane and namespaces", t0.elapsed()));
+        let t1 = Instant::now();
+        cluster.egress = Some(EgressProxy::start(&egress_socket, &cluster.net.fabric)?);
+        cluster.start_controllers()?;
+        let client = cluster.cp.admin_client().await?;
+        for node in &cluster.net.nodes {
+            create_node(&client, node).await?;
+        }
+        let pause = images::pause_image(&cluster.dir)?;
+        let specs: Vec<(netns::Node, PathBuf, String)> = cluster
+            .net
+            .nodes
+            .iter()
+            .map(|n| {
+                (
+                    n.clone(),
+                    cluster.dir.join(&n.name),
+                    format!("{}{pid}x{seq}-{}", sweep::PREFIX, n.name),
+                )
+            })
+            .collect();
+        // Runtimes in parallel: each waits for its containerd.
+        let started: Vec<Result<KubeletNode>> = std::thread::scope(|s| {
+            let handles: Vec<_> = specs
+                .into_iter()
+                .map(|(node, dir, cgroup)| {
+                    let cp = &cluster.cp;
+                    let pause = &pause;
+                    s.spawn(move || -> Result<KubeletNode> {
+                        let mut k = KubeletNode::start_runtime(cp, &node, dir, cgroup)?;
+                        k.import_image(pause)?;
+                        k.start_kubelet()?;
+                        Ok(k)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Prerequisite("node start panicked".into())))
+                })
+                .collect()
+        });
+        let mut first_error = None;
+        for r in started {
+            match r {
+                Ok(node) => cluster.nodes.push(node),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        cluster
+            .timings
+            .push(("containerd up, sandbox image in, kubelets started", t1.elapsed()));
+        let t2 = Instant::now();
+        cluster.wait_nodes_ready(Duration::from_secs(120)).await?;
+        cluster.timings.push(("nodes Ready and untainted", t2.elapsed()));
+        cluster.timings.push(("total", t0.elapsed()));
+        for (phase, took) in &cluster.timings {
+            eprintln!("[kubelet cluster] {phase}: {:.1} s", took.as_secs_f64());
+        }
+        Ok(cluster)
+    }
+
+    fn start_controllers(&mut self) -> Result<()> {
+        let server = format!("https://127.0.0.1:{}", self.cp.port);
+        let cpd = self.cp.dir().display().to_string();
+        for (name, user) in [
+            ("kube-controller-manager", "system:kube-controller-manager"),
+            ("kube-scheduler", "system:kube-scheduler"),
+        ] {
+            let (cert, key) = self.cp.pki().client_cert(user, None)?;
+            let (cert_path, key_path) = (
+                self.dir.join(format!("{name}.crt")),
+                self.dir.join(format!("{name}.key")),
+            );
+            std::fs::write(&cert_path, cert).map_err(io_err("write cert"))?;
+            std::fs::write(&key_path, key).map_err(io_err("write key"))?;
+            let kubeconfig = self.cp.write_kubeconfig(
+                name,
+                &server,
+                Credential::Certificate {
+                    cert: cert_path,
+                    key: key_path,
+                },
+            )?;
+            let k = kubeconfig.display().to_string();
+            let mut args = vec![
+                format!("--kubeconfig={k}"),
+                format!("--authentication-kubeconfig={k}"),
+                format!("--authorization-kubeconfig={k}"),
+                "--secure-port=0".to_owned(),
+                "--leader-elect=false".to_owned(),
+                "--v=1".to_owned(),
+            ];
+            if name == "kube-controller-manager" {
+                args.extend([
+                    "--use-service-account-credentials=true".to_owned(),
+                    format!("--service-account-private-key-file={cpd}/sa.key"),
+                    format!("--root-ca-file={cpd}/ca.crt"),
+                    "--controllers=*".to_owned(),
+                    "--node-monitor-period=1s".to_owned(),
+                    "--cluster-name=switchyard-test".to_owned(),
+                ]);
+            }
+            let log = File::create(self.dir.join(format!("{name}.log"))).map_err(io_err("create log"))?;
+            let err = log.try_clone().map_err(io_err("clone log"))?;
+            let child = Command::new(self.cp.bin.join(name))
+                .args(&args)
+                .stdin(Stdio::null())
+                .stdout(log)
+                .stderr(err)
+                .spawn()
+                .map_err(io_err(format!("start {name}")))?;
+            sweep::record_pid(&self.dir, child.id());
+            self.controllers.push((name, child));
+        }
+        Ok(())
+    }
+
+    /// Fails (with logs) if a controller, containerd or kubelet has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        for (name, child) in &mut self.controllers {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(Error::Prerequisite(format!(
+                    "{name} exited ({status}); its log ends:\n{}",
+                    tail(&self.dir.join(format!("{name}.log")))
+                )));
+            }
+        }
+        for node in &mut self.nodes {
+            node.check_running()?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every node's Node is Ready, with no `node.kubernetes.io/not-ready` taint.
+    pub async fn wait_nodes_ready(&mut self, limit: Duration) -> Result<()> {
+        let nodes: Api<Node> = Api::all(self.cp.admin_client().await?);
+        let names: Vec<String> = self.nodes.iter().map(|n| n.name.clone()).collect();
+        let start = Instant::now();
+        loop {
+            self.check_running()?;
+            let mut waiting = Vec::new();
+            for name in &names {
+                let ready = match nodes.get_opt(name).await {
+                    Ok(Some(node)) => node_ready(&node),
+                    _ => false,
+                };
+                if !ready {
+                    waiting.push(name.clone());
+                }
+            }
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            if start.elapsed() > limit {
+                let logs: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter(|n| waiting.contains(&n.name))
+                    .map(|n| format!("--- {} kubelet:\n{}", n.name, n.log_tail("kubelet")))
+                    .collect();
+                return Err(Error::Timeout(
+                    limit,
+                    format!("Nodes Ready: still waiting for {waiting:?}\n{}", logs.join("\n")),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Imports an image archive into every node's containerd (in parallel).
+    pub fn load_image(&self, archive: &Path) -> Result<()> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .nodes
+                .iter()
+                .map(|n| s.spawn(move || n.import_image(archive)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Prerequisite("image import panicked".into())))
+                })
+                .collect::<Result<Vec<()>>>()
+        })?;
+        Ok(())
+    }
+
+    /// The cluster's working directory (controller logs, images built for it).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A node by name.
+    pub fn node(&self, name: &str) -> Option<&KubeletNode> {
+        self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// An admin client.
+    pub async fn client(&self) -> Result<Client> {
+        self.cp.admin_client().await
+    }
+
+    /// kubectl as admin: (success, stdout, stderr).
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Result<(bool, String, String)> {
+        self.cp.kubectl(args, stdin)
+    }
+
+    /// kubectl as admin that must succeed; returns stdout.
+    pub fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> Result<String> {
+        self.cp.kubectl_ok(args, stdin)
+    }
+
+    /// helm against this cluster (admin kubeconfig): (success, stdout, stderr).
+    pub fn helm(&self, args: &[&str]) -> Result<tools::Output> {
+        let kubeconfig = self.cp.admin_kubeconfig().display().to_string();
+        let mut full = vec!["--kubeconfig", kubeconfig.as_str()];
+        full.extend_from_slice(args);
+        tools::helm_run(&full)
+    }
+
+    /// Last lines of a controller's log (`kube-controller-manager`, `kube-scheduler`).
+    pub fn controller_log_tail(&self, name: &str) -> String {
+        tail(&self.dir.join(format!("{name}.log")))
+    }
+}
+
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Whether a Node is Ready and carries no not-ready/unreachable taint.
+pub fn node_ready(node: &Node) -> bool {
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| {
+            ts.iter()
+                .any(|t| t.key == "node.kubernetes.io/not-ready" || t.key == "node.kubernetes.io/unreachable")
+        });
+    ready && !tainted
+}
+
+/// Creates the Node before its kubelet registers, so its pod CIDRs (which nothing allocates here:
+/// the CNI configuration has them) are the fabric's from the start; the kubelet then adopts it.
+async fn create_node(client: &Client, node: &netns::Node) -> Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let object: Node = serde_json::from_value(json!({
+        "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
+        "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr, node.pod_cidr6]},
+    }))
+    .map_err(|e| Error::Prerequisite(e.to_string()))?;
+    nodes.create(&PostParams::default(), &object).await?;
+    Ok(())
+}
+
+impl Drop for KubeletCluster {
+    fn drop(&mut self) {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for node in self.nodes.iter_mut() {
+                s.spawn(move || node.stop());
+            }
+        });
+        self.nodes.clear();
+        for (_, child) in self.controllers.iter_mut() {
+            sweep::stop_child(child, Duration::from_secs(5));
+        }
+        self.egress.take();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        eprintln!(
+            "[kubelet cluster] nodes and controllers stopped in {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
+        // Then the fields: the namespaces (net), the control plane (cp).
+    }
+}
+
+/// The apiserver's egress to the cluster (its `cluster` egress selection): an HTTP CONNECT proxy on
+/// a unix socket that dials the requested node or pod address from inside the fabric namespace.
+/// Only the fabric's and the pods' ranges are accepted.
+struct EgressProxy {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EgressProxy {
+    fn start(socket: &Path, fabric: &str) -> Result<Self> {
+        let listener = UnixListener::bind(socket).map_err(io_err("bind the egress socket"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("nonblocking egress socket"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let fabric = fabric.to_owned();
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let fabric = fabric.clone();
+                        std::thread::spawn(move || {
+                            let _ = serve_connect(conn, &fabric);
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for EgressProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Whether the egress proxy may dial `ip`: the fabric's and the pods' ranges only.
+fn egress_allowed(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            (o[0] == 10 && o[1] == 250 && o[2] == 0) || (o[0] == 10 && o[1] == 244)
+        }
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            s[0] == 0xfd00 && s[1] == 0x10 && (s[2] == 0x250 || s[2] == 0x244)
+        }
+    }
+}
+
+fn serve_connect(mut conn: UnixStream, fabric: &str) -> std::io::Result<()> {
+    conn.set_nonblocking(false)?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() > 8192 || conn.read(&mut byte)? == 0 {
+            return Ok(());
+        }
+        head.push(byte[0]);
+    }
+    let text = String::from_utf8_lossy(&head);
+    let target = text
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("CONNECT "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|t| t.parse::<SocketAddr>().ok());
+    let Some(target) = target.filter(|t| egress_allowed(t.ip())) else {
+        conn.write_all(b"HTTP/1.1 403 Forbidden\r\n\r\n")?;
+        return Ok(());
+    };
+    // This thread enters the fabric for good: the socket it makes stays there.
+    let ns = File::open(format!("/run/netns/{fabric}"))?;
+    setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+    let upstream = match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = conn.write_all(format!("HTTP/1.1 502 Bad Gateway\r\n\r\n{e}").as_bytes());
+            return Ok(());
+        }
+    };
+    conn.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")?;
+    conn.set_read_timeout(None)?;
+    let (mut up_read, mut down_write) = (upstream.try_clone()?, conn.try_clone()?);
+    let copier = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut up_read, &mut down_write);
+        let _ = down_write.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut down_read, mut up_write) = (conn, upstream);
+    let _ = std::io::copy(&mut down_read, &mut up_write);
+    let _ = up_write.shutdown(std::net::Shutdown::Write);
+    let _ = copier.join();
+    Ok(())
+}
