@@ -157,6 +157,7 @@ impl Agent {
             .arg(cp.dir().join(format!("state-{}", node.name)))
             .args(extra_args)
             .env("RUST_LOG", "info")
+            .env(crate::logs::NO_COLOR.0, crate::logs::NO_COLOR.1)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -171,9 +172,9 @@ impl Agent {
         })
     }
 
-    /// The agent's log so far.
+    /// The agent's log so far, as plain text (no colours).
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        crate::logs::read(&self.log)
     }
 
     /// The agent's exit status once it has exited (it never should on its own).

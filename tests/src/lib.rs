@@ -10,11 +10,14 @@ pub mod binaries;
 pub mod cluster;
 pub mod controlplane;
 pub mod images;
+pub mod kernel;
 pub mod kubelet;
+pub mod logs;
 pub mod netns;
 pub mod objects;
 pub mod operator;
 pub mod pki;
+pub mod stats;
 pub mod sweep;
 pub mod tools;
 pub mod traffic;
@@ -126,5 +129,22 @@ where
             return Err(Error::Timeout(limit, what.to_owned()));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Checks `check` every 200 ms for `window` and returns the first violation: something that must
+/// not happen is given `window` to happen, and is looked for all along (not once after a sleep).
+pub async fn throughout<F, Fut>(window: Duration, mut check: F) -> std::result::Result<(), String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<(), String>>,
+{
+    let start = Instant::now();
+    loop {
+        check().await?;
+        if start.elapsed() >= window {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

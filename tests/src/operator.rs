@@ -64,6 +64,7 @@ impl Operator {
             .args(["--healthz-bind-address", &format!("127.0.0.1:{port}")])
             .args(extra_args)
             .env("RUST_LOG", "info,switchyard_operator=debug")
+            .env(crate::logs::NO_COLOR.0, crate::logs::NO_COLOR.1)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -89,9 +90,9 @@ impl Operator {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    /// The log so far.
+    /// The log so far, as plain text (no colours).
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        crate::logs::read(&self.log)
     }
 
     /// `GET path` on its health/metrics port: (status code, body), or `None` when unreachable.

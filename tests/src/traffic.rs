@@ -95,7 +95,8 @@ impl Outcome {
     }
 }
 
-/// Makes `count` attempts from `netns` to `target` and returns their outcomes.
+/// Makes `count` attempts from `netns` to `target` and returns their outcomes, exactly `count`;
+/// a client that could not run (no such namespace, a missing binary) is an error.
 pub fn probe(
     netns: &str,
     target: SocketAddr,
@@ -122,7 +123,21 @@ pub fn probe(
         ])
         .output()
         .map_err(io_err("run swy-echo client"))?;
-    Ok(parse(&String::from_utf8_lossy(&out.stdout)))
+    // Exactly one outcome per attempt, from a client that ran: a check that every outcome is a
+    // timeout (or a refusal) must not pass on an empty list because the client never started.
+    let outcomes = parse(&String::from_utf8_lossy(&out.stdout));
+    if !out.status.success() || outcomes.len() != count as usize {
+        return Err(Error::Command {
+            command: format!("swy-echo client --target {target} in {netns}"),
+            detail: format!(
+                "{}, {} of {count} outcomes: {}",
+                out.status,
+                outcomes.len(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(outcomes)
 }
 
 fn parse(text: &str) -> Vec<Outcome> {

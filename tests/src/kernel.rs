@@ -1,0 +1,49 @@
+//! Reading a namespace node's packet-filter state for checks. Every listing is one command whose
+//! exit status is checked: a listing that fails is an error, never an empty text, so an absence
+//! check ("no `SWY` chain left") can only pass on a listing that succeeded and lacks the object.
+//! (`sh -c "a; b"` would report only `b`'s status; each command runs on its own here.)
+
+use crate::{Family, Result, netns::Cluster};
+
+/// `nft list tables` in `netns`.
+pub fn nft_tables(netns: &str) -> Result<String> {
+    Cluster::exec(netns, &["nft", "list", "tables"])
+}
+
+/// `nft list ruleset` in `netns`: every family's tables.
+pub fn nft_ruleset(netns: &str) -> Result<String> {
+    Cluster::exec(netns, &["nft", "list", "ruleset"])
+}
+
+/// The saves of both iptables variants (legacy, then nft) of each of `families`, concatenated.
+pub fn iptables_saves(netns: &str, families: &[Family]) -> Result<String> {
+    let mut all = String::new();
+    for family in families {
+        let tools: [&str; 2] = match family {
+            Family::V4 => ["iptables-legacy-save", "iptables-nft-save"],
+            Family::V6 => ["ip6tables-legacy-save", "ip6tables-nft-save"],
+        };
+        for tool in tools {
+            all.push_str(&Cluster::exec(netns, &[tool])?);
+        }
+    }
+    Ok(all)
+}
+
+/// Everything of a backend (`"nftables"`, or an iptables mode) in the node's kernel: the whole
+/// nftables ruleset, or both iptables variants' saves of each of `families`.
+pub fn backend_state(netns: &str, mode: &str, families: &[Family]) -> Result<String> {
+    if mode == "nftables" {
+        nft_ruleset(netns)
+    } else {
+        iptables_saves(netns, families)
+    }
+}
+
+/// What of Switchyard is in a node's kernel: (an nft table named `switchyard`, `SWY` objects in
+/// either IPv4 iptables variant).
+pub fn ours(netns: &str) -> Result<(bool, bool)> {
+    let nft = nft_tables(netns)?;
+    let ipt = iptables_saves(netns, &[Family::V4])?;
+    Ok((nft.contains("switchyard"), ipt.contains("SWY")))
+}
