@@ -85,8 +85,8 @@ async fn scenario(mode: &str) {
             "{mode}: nothing serves the ClusterIP yet"
         );
     }
-    let entries =
-        switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"]).unwrap_or_default();
+    let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"])
+        .expect("conntrack table");
     assert!(
         entries.contains(&format!("dst={DNS} sport=40053 dport=53")),
         "{mode}: the early flow is tracked:\n{entries}"
@@ -110,7 +110,7 @@ async fn scenario(mode: &str) {
         if let Some(name) = ask(&socket, target) {
             break name;
         }
-        if started.elapsed() > Duration::from_secs(30) {
+        if started.elapsed() > Duration::from_secs(60) {
             let entries = switchyard_e2e::netns::Cluster::exec(node1, &["cat", "/proc/net/nf_conntrack"])
                 .unwrap_or_default();
             let log = env
@@ -150,7 +150,8 @@ async fn scenario(mode: &str) {
             break Some(name.clone());
         }
         answers.push(answer);
-        if removed_at.elapsed() > Duration::from_secs(15) {
+        // Generous for a loaded CI machine: the agent deletes the entry after its next sync.
+        if removed_at.elapsed() > Duration::from_secs(60) {
             break None;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -161,7 +162,7 @@ async fn scenario(mode: &str) {
             .filter(|a| a.as_deref() == Some(first.as_str()))
             .count();
         panic!(
-            "{mode}: the flow stayed on the removed endpoint {first}: {kept} of {} answers in 15 s",
+            "{mode}: the flow stayed on the removed endpoint {first}: {kept} of {} answers in 60 s",
             answers.len()
         )
     });

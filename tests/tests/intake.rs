@@ -8,8 +8,9 @@ use std::{net::SocketAddr, time::Duration};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use switchyard_e2e::{
+    Family, Result,
     agent::TestEnv,
-    netns::Cluster,
+    kernel,
     objects::{Ep, apply_service, apply_slice},
     traffic::{Outcome, probe, start_server, tally},
 };
@@ -17,13 +18,10 @@ use switchyard_e2e::{
 const HINTED: &str = "10.96.0.120";
 const OTHER_PROXY: &str = "10.96.0.121";
 
-fn kernel_state(netns: &str, mode: &str) -> String {
-    let args: Vec<&str> = if mode == "nftables" {
-        vec!["nft", "list", "ruleset"]
-    } else {
-        vec!["sh", "-c", "iptables-legacy-save; iptables-nft-save"]
-    };
-    Cluster::exec(netns, &args).unwrap_or_default()
+/// The backend's state in the node's kernel; a failed listing is an error, never an empty text
+/// that the absence checks below would pass on.
+fn kernel_state(netns: &str, mode: &str) -> Result<String> {
+    kernel::backend_state(netns, mode, &[Family::V4])
 }
 
 async fn scenario(mode: &str) {
@@ -118,6 +116,9 @@ async fn scenario(mode: &str) {
     .await
     .expect("agents");
     let target: SocketAddr = format!("{HINTED}:80").parse().expect("addr");
+    // Deterministic when hints are honoured (no false failure). Were they ignored, 20 uniform
+    // choices between the 2 endpoints would all land on the node's own one with probability
+    // 2^-20 < 1e-6 per node.
     for (node, own) in [(n1, &n1.pods[0].name), (n2, &n2.pods[0].name)] {
         let mut answered = Vec::new();
         for _ in 0..300 {
@@ -140,7 +141,7 @@ async fn scenario(mode: &str) {
 
     // The other proxy's Service, the headless and the ExternalName one are not in the kernel.
     for node in &nodes {
-        let state = kernel_state(&node.netns, mode);
+        let state = kernel_state(&node.netns, mode).expect("kernel state");
         assert!(state.contains(HINTED), "{mode}: the hinted Service is programmed");
         for absent in [
             OTHER_PROXY,

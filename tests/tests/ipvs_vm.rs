@@ -16,7 +16,9 @@
 //! This host kernel has no IPVS, so this test never skips: when the VM cannot be prepared or
 //! booted it fails with one line saying why.
 
-use std::process::Command;
+use std::{collections::BTreeMap, process::Command};
+
+use switchyard_e2e::stats::{SPREAD_2, check_uniform};
 
 /// Lines of the VM's output that must be present when the run passes.
 const MUST_SHOW: [&str; 26] = [
@@ -162,10 +164,20 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
         for (kind, associations, answers) in spread.iter().flatten() {
             let servers: Vec<&str> = answers.iter().map(|(s, _)| s.as_str()).collect();
             assert_eq!(servers, SCTP_SERVERS, "sctp {backend} {kind}: {answers:?}");
+            // Each new association picks one of the 2 endpoints at random: over SPREAD_2 = 500
+            // associations stats::check_uniform accepts [194, 306] per endpoint, which a uniform
+            // choice leaves with probability <= 1e-6 (exact binomial tails), and fails a 2:1 skew
+            // with probability >= 0.99 and an endpoint never chosen always (stats unit tests).
+            // (24 associations, checked for "both > 0", caught only the never-chosen case.)
             assert!(
-                answers.iter().all(|(_, n)| *n > 0),
-                "sctp {backend} {kind}: both endpoints answer: {answers:?}"
+                *associations as u64 >= SPREAD_2,
+                "sctp {backend} {kind}: {associations} associations, fewer than the {SPREAD_2} the \
+                 spread check is sized for"
             );
+            let tally: BTreeMap<String, usize> = answers.iter().cloned().collect();
+            if let Err(e) = check_uniform(&tally, &SCTP_SERVERS) {
+                panic!("sctp {backend} {kind}: spread: {e}");
+            }
             assert_eq!(
                 answers.iter().map(|(_, n)| n).sum::<usize>(),
                 *associations,

@@ -21,6 +21,7 @@ use switchyard_e2e::{
     agent::{SYSTEM_NAMESPACE, TestEnv},
     eventually,
     operator::Operator,
+    throughout,
 };
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -307,12 +308,15 @@ spec:
         paused.status == "True" && paused.message.contains("dry run"),
         "{paused:?}"
     );
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        modes(&proxies).await.values().all(|(d, _, _)| d.is_none()),
-        "paused: nothing asked to switch: {:?}",
-        modes(&proxies).await
-    );
+    throughout(Duration::from_secs(2), || async {
+        let m = modes(&proxies).await;
+        match m.values().all(|(d, _, _)| d.is_none()) {
+            true => Ok(()),
+            false => Err(format!("paused: nothing asked to switch: {m:?}")),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
     let canary = s.waves[0].nodes[0].clone();
     let half: Vec<String> = s.waves[1].nodes.clone();
     let table = env
@@ -394,16 +398,15 @@ spec:
             None,
         )
         .expect("annotate");
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The operator has seen the stale approval once it says so; it still waits.
+    let s = wait_status(&policies, "pool-a", "stale approval reported", |s| {
+        condition(s, "Paused").is_some_and(|c| c.message.contains("not for generation 2"))
+    })
+    .await;
+    assert_eq!(s.phase, Some(PolicyPhase::AwaitingApproval), "{s:#?}");
     play_agents(&proxies, &none).await;
     let s = policy_status(&policies, "pool-a").await.expect("status");
-    assert_eq!(s.phase, Some(PolicyPhase::AwaitingApproval));
-    assert!(
-        condition(&s, "Paused")
-            .expect("Paused")
-            .message
-            .contains("not for generation 2")
-    );
+    assert_eq!(s.phase, Some(PolicyPhase::AwaitingApproval), "{s:#?}");
     env.cp
         .kubectl_ok(
             &[
@@ -461,11 +464,20 @@ spec:
     let m = modes(&proxies).await;
     assert!(m.values().all(|v| v.1 == Some(ProxyMode::Nftables)), "{m:?}");
     assert_eq!(m[&canary].2, canary_token, "the canary was not asked again");
-    assert!(b.log_text().contains("became leader"));
+    // The logs are read without colours (NO_COLOR, and escapes stripped): `node=X desired=` is
+    // the text of op-b's "applied NodeProxy spec" lines. The pattern matches for every node op-b
+    // did write (the last wave's), so its absence for the canary means something.
+    let log = b.log_text();
+    assert!(log.contains("became leader"), "op-b log:\n{log}");
+    for node in &s.waves[2].nodes {
+        assert!(
+            log.contains(&format!("node={node} desired=")),
+            "op-b wrote {node} (wave rest) and logged it:\n{log}"
+        );
+    }
     assert!(
-        !b.log_text().contains(&format!("node={canary} desired=")),
-        "op-b never re-wrote the finished canary:\n{}",
-        b.log_text()
+        !log.contains(&format!("node={canary} desired=")),
+        "op-b never re-wrote the finished canary:\n{log}"
     );
 
     // 4. kubectl wait, printer columns, Events, /metrics.

@@ -15,9 +15,11 @@ use serde_json::{Value, json};
 use switchyard_crds::v1alpha1::{NodeProxy, ProxyMode, ProxyPolicy};
 use switchyard_e2e::{
     agent::TestEnv,
-    netns::{Cluster, Node},
+    kernel,
+    netns::Node,
     objects::{Ep, apply_service, apply_slice},
     operator::Operator,
+    throughout,
     traffic::{Load, Outcome, probe, start_load, start_server},
 };
 
@@ -28,15 +30,10 @@ fn web() -> SocketAddr {
     SocketAddr::new(WEB.parse().expect("ip"), 80)
 }
 
-/// What of ours is in a node's kernel: (nft table, SWY iptables objects).
+/// What of ours is in a node's kernel: (nft table present, SWY iptables objects present). A
+/// failed listing fails the test: `(false, _)` is only ever a listing that lacks the table.
 fn ours(node: &Node) -> (bool, bool) {
-    let nft = Cluster::exec(&node.netns, &["nft", "list", "tables"]).unwrap_or_default();
-    let ipt = Cluster::exec(
-        &node.netns,
-        &["sh", "-c", "iptables-legacy-save; iptables-nft-save"],
-    )
-    .unwrap_or_default();
-    (nft.contains("switchyard"), ipt.contains("SWY"))
+    kernel::ours(&node.netns).unwrap_or_else(|e| panic!("{}: kernel listing: {e}", node.name))
 }
 
 async fn label_nodes(env: &TestEnv, pools: &[&str]) {
@@ -286,10 +283,37 @@ async fn pool_moves_to_nftables_in_three_waves_under_load_and_back() {
             None,
         )
         .expect("lease");
-    if let Some(op) = operators.iter_mut().find(|o| o.identity == leader.trim()) {
-        op.kill();
-    }
+    // The leader must be one of ours, and it is killed: a standby that takes over is the point.
+    let leader = leader.trim();
+    let identities: Vec<String> = operators.iter().map(|o| o.identity.clone()).collect();
+    let op = operators
+        .iter_mut()
+        .find(|o| o.identity == leader)
+        .unwrap_or_else(|| panic!("lease holder {leader:?} is none of the replicas {identities:?}"));
+    op.kill();
+    assert!(!op.running(), "the leader {leader} was killed");
+    let standby = identities
+        .iter()
+        .find(|i| *i != leader)
+        .expect("a standby")
+        .clone();
     let p = until(&env, "general", Duration::from_secs(120), "Ready", ready).await;
+    let holder = env
+        .cp
+        .kubectl_ok(
+            &[
+                "get",
+                "lease",
+                "-n",
+                "switchyard-system",
+                "switchyard-operator",
+                "-o",
+                "jsonpath={.spec.holderIdentity}",
+            ],
+            None,
+        )
+        .expect("lease");
+    assert_eq!(holder.trim(), standby, "the standby finished the rollout");
     let status = p.status.clone().unwrap_or_default();
     assert_eq!(
         (status.target_nodes, status.updated_nodes, status.healthy_nodes),
@@ -460,21 +484,22 @@ async fn failures_pause_or_roll_back_approval_waits_and_conflicts_are_reported()
         vec!["canary=Completed", "second=Failed", "rest=Pending"],
         "{p:#?}"
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let modes = active_modes(&env).await;
-    assert_eq!(
-        modes[0].1,
-        Some(ProxyMode::Nftables),
-        "the canary stays switched: {modes:?}"
-    );
-    assert_eq!(
-        modes
+    // For 3 s, looked at all along: the canary stays, the failed node is back, nothing more starts.
+    throughout(Duration::from_secs(3), || async {
+        let modes = active_modes(&env).await;
+        let iptables = modes
             .iter()
             .filter(|(_, m)| *m == Some(ProxyMode::Iptables))
-            .count(),
-        4,
-        "the failed node rolled back, later waves never started: {modes:?}"
-    );
+            .count();
+        match (modes[0].1, iptables) {
+            (Some(ProxyMode::Nftables), 4) => Ok(()),
+            _ => Err(format!(
+                "the canary stays switched, the failed node rolled back, later waves never started: {modes:?}"
+            )),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
     for n in &env.cluster.nodes[1..] {
         assert_eq!(
             ours(n),
@@ -542,14 +567,15 @@ async fn failures_pause_or_roll_back_approval_waits_and_conflicts_are_reported()
         message.contains("kubectl annotate"),
         "the message says what to do: {message}"
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(
-        active_modes(&env)
-            .await
-            .iter()
-            .all(|(_, m)| *m == Some(ProxyMode::Iptables)),
-        "nothing switched before approval"
-    );
+    throughout(Duration::from_secs(3), || async {
+        let modes = active_modes(&env).await;
+        match modes.iter().all(|(_, m)| *m == Some(ProxyMode::Iptables)) {
+            true => Ok(()),
+            false => Err(format!("nothing switched before approval: {modes:?}")),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
     let generation = p.metadata.generation.unwrap_or_default();
     env.cp
         .kubectl_ok(
@@ -588,10 +614,13 @@ async fn failures_pause_or_roll_back_approval_waits_and_conflicts_are_reported()
         message.contains("general") && message.contains("node-1"),
         "{message}"
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let modes = active_modes(&env).await;
-    assert!(
-        modes[..4].iter().all(|(_, m)| *m == Some(ProxyMode::Nftables)),
-        "only the winner's mode applies: {modes:?}"
-    );
+    throughout(Duration::from_secs(3), || async {
+        let modes = active_modes(&env).await;
+        match modes[..4].iter().all(|(_, m)| *m == Some(ProxyMode::Nftables)) {
+            true => Ok(()),
+            false => Err(format!("only the winner's mode applies: {modes:?}")),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
 }

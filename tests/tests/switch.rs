@@ -16,6 +16,7 @@ use serde_json::json;
 use switchyard_crds::v1alpha1::{NodeProxy, ProxyMode, SwitchPhase};
 use switchyard_e2e::{
     agent::{Agent, TestEnv, node_token},
+    eventually, kernel,
     netns::{Cluster, Node},
     objects::{Ep, apply_service, apply_slice},
     traffic::{Outcome, probe, start_load, start_server},
@@ -84,15 +85,10 @@ async fn answered(
     }
 }
 
-/// What of ours is in a node's kernel: (nft table present, SWY iptables objects present).
+/// What of ours is in a node's kernel: (nft table present, SWY iptables objects present). A
+/// failed listing fails the test: `(false, _)` is only ever a listing that lacks the table.
 fn ours(node: &Node) -> (bool, bool) {
-    let nft = Cluster::exec(&node.netns, &["nft", "list", "tables"]).unwrap_or_default();
-    let ipt = Cluster::exec(
-        &node.netns,
-        &["sh", "-c", "iptables-legacy-save; iptables-nft-save"],
-    )
-    .unwrap_or_default();
-    (nft.contains("switchyard"), ipt.contains("SWY"))
+    kernel::ours(&node.netns).unwrap_or_else(|e| panic!("{}: kernel listing: {e}", node.name))
 }
 
 fn failures(outcomes: &[Outcome]) -> usize {
@@ -174,6 +170,8 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
             .iter()
             .map(|n| start_load(&n.pods[1].netns, web(), 300, 20).expect("load"))
             .collect();
+        // A head start for the load, not synchronisation: every connection of the load must be
+        // answered whenever it started (each load runs 300 attempts, 20 ms apart, past the switch).
         tokio::time::sleep(Duration::from_millis(500)).await;
         for n in &nodes {
             want(
@@ -223,19 +221,42 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
                 &nodes[0].netns,
                 &["nft", "list", "chain", "ip", "switchyard", "services"],
             )
-            .unwrap_or_default();
+            .expect("nft list chain ip switchyard services");
             assert!(listing.contains("masquerade all ClusterIP traffic"), "{listing}");
         }
     }
 
     // A plain agent restart keeps the reported result of the last switch (status is applied whole).
+    // The check must look at a status the restarted agent wrote: with the old agent stopped, the
+    // test removes `status.sync` (only an agent writes it), and waits until it is back.
     let n2 = &nodes[2];
     let idx = env.agents.iter().position(|a| a.node == n2.name).expect("agent");
     drop(env.agents.remove(idx));
+    proxies
+        .patch_status(
+            &n2.name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"sync": null}})),
+        )
+        .await
+        .expect("clear status.sync");
     let token = node_token(&env.cp, &n2.name).await.expect("token");
     env.agents
         .push(Agent::start(&env.cp, n2, &token, &AGENT_ARGS).expect("agent"));
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    eventually(
+        Duration::from_secs(60),
+        "the restarted agent reports status",
+        || async {
+            proxies
+                .get(&n2.name)
+                .await
+                .ok()
+                .and_then(|np| np.status?.sync)
+                .map(|_| ())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
     let (result, _, _) = answered(&proxies, &n2.name, "to-ipt", Duration::from_secs(30)).await;
     assert_eq!(result, "Succeeded", "lastSwitch survives an agent restart");
 

@@ -44,8 +44,10 @@ const NODE_PORT: u16 = 30132;
 /// A ClusterIP + NodePort service without endpoints.
 const NONE_IP: &str = "10.96.1.20";
 const NONE_NODE_PORT: u16 = 30133;
-/// New associations per destination.
-const ASSOCIATIONS: usize = 24;
+/// New associations per destination: as many as the host-side spread check in
+/// `tests/tests/ipvs_vm.rs` needs (`switchyard_e2e::stats::SPREAD_2`; false failure <= 1e-6, catches
+/// a 2:1 skew); about 5 ms each in the VM.
+const ASSOCIATIONS: usize = 500;
 const TIMEOUT: Duration = Duration::from_secs(3);
 /// The wait for a connect to a service without endpoints.
 const REFUSAL_LIMIT: Duration = Duration::from_secs(1);
