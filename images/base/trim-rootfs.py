@@ -17,8 +17,8 @@ Kept as well: /usr/share/doc/<package>/copyright of every extracted package (lic
 image redistributes), and /usr/share/doc/switchyard-base/packages, the name and version of each.
 Everything else is deleted (documentation, man pages, locales, gconv, debconf, perl, dpkg's
 database, apt's cache and lists, libraries nothing kept loads). /dev, /proc and /sys are left
-alone (the archive leaves /dev out); /tmp and /var/tmp stay as empty sticky directories, /run as an
-empty one.
+alone (the archive leaves /dev out); /tmp and /var/tmp stay as empty sticky directories; /run, /dev, /proc
+and /sys exist, empty.
 """
 
 import glob
@@ -188,8 +188,10 @@ with open(os.path.join(doc, "packages"), "w", encoding="utf-8") as f:
 for d in ("tmp", "var/tmp"):
     os.makedirs(os.path.join(ROOT, d), exist_ok=True)
     os.chmod(os.path.join(ROOT, d), 0o1777)
-# /run: iptables-legacy opens /run/xtables.lock (the chart mounts the host's there).
-os.makedirs(os.path.join(ROOT, "run"), exist_ok=True)
+# /run: iptables-legacy opens /run/xtables.lock (the chart mounts the host's there). /dev, /proc and
+# /sys: empty mount points for the runtime (the archive holds no device nodes).
+for d in ("run", "dev", "proc", "sys"):
+    os.makedirs(os.path.join(ROOT, d), exist_ok=True)
 # No ld.so.cache: Debian's loader searches /usr/lib/x86_64-linux-gnu by default (the checks below
 # run without one), and the xtables extensions are opened by full path.
 
