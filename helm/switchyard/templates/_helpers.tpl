@@ -57,3 +57,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "switchyard.agent.username" -}}
 system:serviceaccount:{{ .Release.Namespace }}:{{ include "switchyard.agent.name" . }}
 {{- end -}}
+
+{{/* Env entries pointing a component at apiServer.host:port (none when host is empty). */}}
+{{- define "switchyard.apiServerEnv" -}}
+{{- with .Values.apiServer.host -}}
+# The control-plane endpoint instead of the kubernetes Service (apiServer.host, apiServer.port).
+- name: SWITCHYARD_APISERVER_HOST
+  value: {{ . | quote }}
+- name: SWITCHYARD_APISERVER_PORT
+  value: {{ $.Values.apiServer.port | default 6443 | int | quote }}
+{{- end }}
+{{- end -}}
