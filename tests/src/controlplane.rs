@@ -21,6 +21,9 @@ use kube::{
 
 use crate::{Error, Result, binaries, io_err, pki::Pki, sweep};
 
+mod outage;
+pub use outage::Killed;
+
 /// Address the `default/kubernetes` Service points at, reachable from node namespaces through the
 /// fabric (see [`crate::netns`]). The apiserver itself listens on 127.0.0.1 in the root namespace.
 pub const ADVERTISE_ADDRESS: Ipv4Addr = Ipv4Addr::new(10, 250, 0, 1);
