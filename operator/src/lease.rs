@@ -213,11 +213,15 @@ async fn run(mut elector: Elector, tx: watch::Sender<bool>, api_state: Arc<ApiSt
         .max(Duration::from_millis(500));
     // A standby polls this often (client-go's retryPeriod is about a fifth of the duration).
     let poll = (duration / 5).clamp(Duration::from_millis(500), Duration::from_secs(5));
+    let attempt_limit = (duration / 3).clamp(Duration::from_secs(1), Duration::from_secs(10));
     loop {
         let started = Instant::now();
+        // A stopped (not killed) apiserver leaves requests hanging: bound each attempt, so a
+        // leader still steps down in time.
+        let attempt = tokio::time::timeout(attempt_limit, elector.attempt());
         let wait = tokio::select! {
             () = tx.closed() => break,
-            r = elector.attempt() => match r {
+            r = attempt => match r.unwrap_or_else(|_| Err(kube::Error::Service("Lease request timed out".into()))) {
                 Ok(Attempt::Held) => {
                     api_state.answered();
                     backoff = RetryBackoff::new();

@@ -116,13 +116,24 @@ async fn nodeproxy(admin: &Client, name: &str) -> Option<NodeProxy> {
 }
 
 /// Waits until the NodeProxy `name` satisfies `ok`.
-async fn wait_np(admin: &Client, name: &str, limit: Duration, what: &str, ok: impl Fn(&NodeProxy) -> bool) -> NodeProxy {
+async fn wait_np(
+    admin: &Client,
+    name: &str,
+    limit: Duration,
+    what: &str,
+    ok: impl Fn(&NodeProxy) -> bool,
+) -> NodeProxy {
     let ok = &ok;
     eventually(limit, what, || async move {
         nodeproxy(admin, name).await.filter(|np| ok(np))
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}; NodeProxy {name}: {:#?}", futures::executor::block_on(nodeproxy(admin, name))))
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}; NodeProxy {name}: {:#?}",
+            futures::executor::block_on(nodeproxy(admin, name))
+        )
+    })
 }
 
 async fn wait_status(
@@ -132,9 +143,16 @@ async fn wait_status(
     ok: impl Fn(&ProxyPolicyStatus) -> bool,
 ) -> ProxyPolicyStatus {
     let ok = &ok;
-    eventually(LIMIT, what, || async move { status(admin, name).await.filter(|s| ok(s)) })
-        .await
-        .unwrap_or_else(|e| panic!("{e}; status: {:#?}", futures::executor::block_on(status(admin, name))))
+    eventually(LIMIT, what, || async move {
+        status(admin, name).await.filter(|s| ok(s))
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}; status: {:#?}",
+            futures::executor::block_on(status(admin, name))
+        )
+    })
 }
 
 async fn lease_holder(admin: &Client) -> Option<String> {
@@ -198,7 +216,7 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     let admin = env.cp.admin_client().await.expect("admin");
     let names: Vec<String> = env.cluster.nodes.iter().map(|n| n.name.clone()).collect();
     setup_nodes(&admin, &names).await;
-    let mut ops = vec![
+    let mut ops = [
         Operator::start(&env.cp, "op-a", &[]).await.expect("operator a"),
         Operator::start(&env.cp, "op-b", &[]).await.expect("operator b"),
     ];
@@ -233,7 +251,12 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     let mut reported = [false, false];
     while killed.at.elapsed() < OUTAGE {
         for (i, op) in ops.iter_mut().enumerate() {
-            assert!(op.running(), "{} exited during the outage:\n{}", op.identity, op.log_text());
+            assert!(
+                op.running(),
+                "{} exited during the outage:\n{}",
+                op.identity,
+                op.log_text()
+            );
             if let Some((code, body)) = op.get("/healthz") {
                 assert_eq!(code, 200, "{}: {body}", op.identity);
                 reported[i] |= body.contains("unreachable");
@@ -241,19 +264,34 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert_eq!(reported, [true, true], "both replicas report the outage on /healthz");
+    assert_eq!(
+        reported,
+        [true, true],
+        "both replicas report the outage on /healthz"
+    );
     let metrics = ops[0].get("/metrics").map(|m| m.1).unwrap_or_default();
-    assert!(metrics.contains("switchyard_operator_api_reachable 0"), "{metrics}");
-    let back = env.cp.restart_processes(killed).await.expect("restart the control plane");
+    assert!(
+        metrics.contains("switchyard_operator_api_reachable 0"),
+        "{metrics}"
+    );
+    let back = env
+        .cp
+        .restart_processes(killed)
+        .await
+        .expect("restart the control plane");
     println!("control plane back (readyz ok)");
 
     // The switch finished; the agent reports as soon as the API answers.
     let admin = env.cp.admin_client().await.expect("admin");
     answer(&admin, &np, "Succeeded").await;
     let reported_at = back.elapsed();
-    let next = wait_np(&admin, &second, Duration::from_secs(SOAK_SECONDS + 60), "wave two starts", |np| {
-        asked(np, ProxyMode::Nftables)
-    })
+    let next = wait_np(
+        &admin,
+        &second,
+        Duration::from_secs(SOAK_SECONDS + 60),
+        "wave two starts",
+        |np| asked(np, ProxyMode::Nftables),
+    )
     .await;
     let took = back.elapsed();
     println!(
@@ -275,7 +313,10 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     println!("leader after the outage: {holder}");
     eventually(Duration::from_secs(20), "healthz recovered", || async {
         ops.iter()
-            .all(|op| op.get("/healthz").is_some_and(|(c, b)| c == 200 && !b.contains("unreachable")))
+            .all(|op| {
+                op.get("/healthz")
+                    .is_some_and(|(c, b)| c == 200 && !b.contains("unreachable"))
+            })
             .then_some(())
     })
     .await
@@ -283,8 +324,15 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
 
     // The rest of the rollout completes.
     answer(&admin, &next, "Succeeded").await;
-    let rest = &names.iter().find(|n| **n != first && **n != second).expect("third node").clone();
-    let np = wait_np(&admin, rest, LIMIT, "wave rest starts", |np| asked(np, ProxyMode::Nftables)).await;
+    let rest = &names
+        .iter()
+        .find(|n| **n != first && **n != second)
+        .expect("third node")
+        .clone();
+    let np = wait_np(&admin, rest, LIMIT, "wave rest starts", |np| {
+        asked(np, ProxyMode::Nftables)
+    })
+    .await;
     answer(&admin, &np, "Succeeded").await;
     let s = wait_status(&admin, "pool-a", "Ready", |s| s.phase == Some(PolicyPhase::Ready)).await;
     assert_eq!((s.target_nodes, s.updated_nodes, s.healthy_nodes), (3, 3, 3));
@@ -313,12 +361,18 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
     );
     let s = wait_status(&admin, "pool-a", "plan", |s| s.waves.len() == 2).await;
     let done = s.waves[0].nodes[0].clone();
-    let np = wait_np(&admin, &done, LIMIT, "wave one asked", |np| asked(np, ProxyMode::Nftables)).await;
+    let np = wait_np(&admin, &done, LIMIT, "wave one asked", |np| {
+        asked(np, ProxyMode::Nftables)
+    })
+    .await;
     answer(&admin, &np, "Succeeded").await;
     // Wave rest: one node at a time (maxUnavailable 1); that one is mid-switch when the policy goes.
     let busy = eventually(LIMIT, "a wave-rest node asked", || async {
         for n in &s.waves[1].nodes {
-            if nodeproxy(&admin, n).await.is_some_and(|np| asked(&np, ProxyMode::Nftables)) {
+            if nodeproxy(&admin, n)
+                .await
+                .is_some_and(|np| asked(&np, ProxyMode::Nftables))
+            {
                 return Some(n.clone());
             }
         }
@@ -350,7 +404,10 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
         })
         .await;
     }
-    println!("all 4 NodeProxies released {:.1}s after the delete", deleted.elapsed().as_secs_f64());
+    println!(
+        "all 4 NodeProxies released {:.1}s after the delete",
+        deleted.elapsed().as_secs_f64()
+    );
     let mut after = BTreeMap::new();
     for n in &names {
         after.insert(n.clone(), nodeproxy(&admin, n).await.expect("np"));
@@ -361,15 +418,25 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
             // In flight: the running switch keeps its own spec and gate.
             assert_eq!(np.spec.desired_mode, before[n].desired_mode, "{n}");
             assert_eq!(np.spec.rollout_token, before[n].rollout_token, "{n}");
-            assert_eq!(np.spec.health_gate, before[n].health_gate, "{n}: the running switch keeps its gate");
+            assert_eq!(
+                np.spec.health_gate, before[n].health_gate,
+                "{n}: the running switch keeps its gate"
+            );
         } else {
-            assert_eq!(np.spec.desired_mode, active, "{n}: desired is what it runs: {:?}", np.spec);
+            assert_eq!(
+                np.spec.desired_mode, active,
+                "{n}: desired is what it runs: {:?}",
+                np.spec
+            );
             if before[n].rollout_token.is_none() {
                 assert_eq!(np.spec.rollout_token, None, "{n}: no new switch");
             }
         }
         let note = &np.annotations()["switchyard.dev/released-from"];
-        assert!(note.contains("proxypolicy pool-a") && note.contains("was deleted"), "{note}");
+        assert!(
+            note.contains("proxypolicy pool-a") && note.contains("was deleted"),
+            "{note}"
+        );
     }
     assert_eq!(
         after[&done].spec.desired_mode,
@@ -393,7 +460,10 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
         assert!(evs.iter().any(|(_, note)| note.contains("pool-a")), "{evs:?}");
     }
     let metrics = op.get("/metrics").map(|m| m.1).unwrap_or_default();
-    assert!(metrics.contains("switchyard_operator_ungoverned_nodes 4"), "{metrics}");
+    assert!(
+        metrics.contains("switchyard_operator_ungoverned_nodes 4"),
+        "{metrics}"
+    );
     let table = env
         .cp
         .kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)
@@ -403,13 +473,23 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
     let settled: Vec<Option<String>> = {
         let mut v = Vec::new();
         for n in &names {
-            v.push(nodeproxy(&admin, n).await.and_then(|np| np.metadata.resource_version));
+            v.push(
+                nodeproxy(&admin, n)
+                    .await
+                    .and_then(|np| np.metadata.resource_version),
+            );
         }
         v
     };
     tokio::time::sleep(Duration::from_secs(3)).await;
     for (n, rv) in names.iter().zip(settled) {
-        assert_eq!(nodeproxy(&admin, n).await.and_then(|np| np.metadata.resource_version), rv, "{n} rewritten");
+        assert_eq!(
+            nodeproxy(&admin, n)
+                .await
+                .and_then(|np| np.metadata.resource_version),
+            rv,
+            "{n} rewritten"
+        );
     }
 }
 
@@ -431,7 +511,10 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
     let s = wait_status(&admin, "pool-a", "plan", |s| s.waves.len() == 1).await;
     let node = eventually(LIMIT, "a node asked", || async {
         for n in &s.waves[0].nodes {
-            if let Some(np) = nodeproxy(&admin, n).await.filter(|np| asked(np, ProxyMode::Nftables)) {
+            if let Some(np) = nodeproxy(&admin, n)
+                .await
+                .filter(|np| asked(np, ProxyMode::Nftables))
+            {
                 return Some(np);
             }
         }
@@ -443,7 +526,12 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
     write_agent_status(&admin, &name, agent_status("iptables", "Verifying", None))
         .await
         .expect("verifying");
-    assert!(node.spec.health_gate.as_ref().is_some_and(|g| g.min_healthy_seconds == 7));
+    assert!(
+        node.spec
+            .health_gate
+            .as_ref()
+            .is_some_and(|g| g.min_healthy_seconds == 7)
+    );
 
     // Deleted under the agent, which registers it again with an empty spec and reports its switch.
     let proxies: Api<NodeProxy> = Api::all(admin.clone());
@@ -451,9 +539,11 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
         .delete(&name, &DeleteParams::default())
         .await
         .expect("delete NodeProxy");
-    eventually(LIMIT, "gone", || async { nodeproxy(&admin, &name).await.is_none().then_some(()) })
-        .await
-        .expect("deleted");
+    eventually(LIMIT, "gone", || async {
+        nodeproxy(&admin, &name).await.is_none().then_some(())
+    })
+    .await
+    .expect("deleted");
     let node_uid = Api::<Node>::all(admin.clone())
         .get(&name)
         .await
@@ -475,19 +565,28 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
         "re-created NodeProxy got its spec back {:.1}s after the re-create",
         recreated.elapsed().as_secs_f64()
     );
-    assert_eq!(restored.labels().get(POLICY_LABEL).map(String::as_str), Some("pool-a"));
+    assert_eq!(
+        restored.labels().get(POLICY_LABEL).map(String::as_str),
+        Some("pool-a")
+    );
     let evs = eventually(Duration::from_secs(20), "SpecRestored event", || async {
         let e = events_of(&admin, &name).await;
         e.iter().any(|(r, _)| r == "SpecRestored").then_some(e)
     })
     .await
     .expect("event");
-    assert!(evs.iter().any(|(_, n)| n.contains("minHealthySeconds")), "{evs:?}");
+    assert!(
+        evs.iter().any(|(_, n)| n.contains("minHealthySeconds")),
+        "{evs:?}"
+    );
 
     // The switch completes; the rollout goes on to the other node and finishes.
     answer(&admin, &restored, "Succeeded").await;
     let other = names.iter().find(|n| **n != name).expect("other").clone();
-    let np = wait_np(&admin, &other, LIMIT, "other node asked", |np| asked(np, ProxyMode::Nftables)).await;
+    let np = wait_np(&admin, &other, LIMIT, "other node asked", |np| {
+        asked(np, ProxyMode::Nftables)
+    })
+    .await;
     answer(&admin, &np, "Succeeded").await;
     let s = wait_status(&admin, "pool-a", "Ready", |s| s.phase == Some(PolicyPhase::Ready)).await;
     assert_eq!((s.updated_nodes, s.healthy_nodes), (2, 2));
