@@ -228,6 +228,11 @@ impl KnownSpecs {
         None
     }
 
+    /// The last spec known for `node`.
+    pub fn spec(&self, node: &str) -> Option<NodeProxySpec> {
+        self.0.get(node).map(|k| k.spec.clone())
+    }
+
     /// Forgets a node (its spec was released or the node is gone).
     pub fn forget(&mut self, node: &str) {
         self.0.remove(node);

@@ -403,9 +403,15 @@ fn snapshot(ctx: &Context, current: &ProxyPolicy) -> (Vec<PolicyInput>, Vec<Node
             input
         })
         .collect();
+    // A NodeProxy deleted under us (its agent re-creates it): plan with the spec it had, so the
+    // operator neither re-creates it with less nor forgets the switch in progress.
+    let known = ctx
+        .known
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     for node in &nodes {
         if !proxies.iter().any(|p| p.name == node.name)
-            && let Some(spec) = own.spec(&node.name, None)
+            && let Some(spec) = own.spec(&node.name, None).or_else(|| known.spec(&node.name))
         {
             proxies.push(NodeProxyInput {
                 name: node.name.clone(),
