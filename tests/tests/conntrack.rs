@@ -29,8 +29,10 @@ fn udp_socket_in(netns: &str, port: u16) -> UdpSocket {
         let target = File::open(&path).expect("netns file");
         setns(target.as_fd(), CloneFlags::CLONE_NEWNET).expect("setns");
         let socket = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+        // Generous for a loaded machine (an answer takes well under a millisecond): a late answer
+        // would otherwise be counted as none, and then read as the answer to the next datagram.
         socket
-            .set_read_timeout(Some(Duration::from_millis(300)))
+            .set_read_timeout(Some(Duration::from_secs(2)))
             .expect("timeout");
         socket
     })

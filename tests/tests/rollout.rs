@@ -367,7 +367,7 @@ async fn pool_moves_to_nftables_in_three_waves_under_load_and_back() {
             &[
                 "wait",
                 "--for=condition=Ready",
-                "--timeout=5s",
+                "--timeout=30s",
                 "proxypolicy/general",
             ],
             None,
