@@ -109,6 +109,46 @@ fn switch_load(stdout: &str) -> Option<(usize, usize)> {
     Some((attempts, failed))
 }
 
+/// The SCTP spread of `backend` in the VM's output: both destinations, both servers, every
+/// association answered, and the answers spread uniformly.
+///
+/// Each new association picks one of the 2 endpoints at random: over SPREAD_2 = 500 associations
+/// `stats::check_uniform` accepts [194, 306] per endpoint, which a uniform choice leaves with
+/// probability <= 1e-6 (exact binomial tails), and fails a 2:1 skew with probability >= 0.99 and
+/// an endpoint never chosen always (stats unit tests). (24 associations checked for "both > 0"
+/// caught only the never-chosen case.)
+fn check_sctp_spread(stdout: &str, backend: &str) -> Result<(), String> {
+    let spread = sctp_spread(stdout, backend);
+    let kinds: Vec<&str> = spread
+        .iter()
+        .flatten()
+        .map(|(kind, _, _)| kind.as_str())
+        .collect();
+    if kinds != ["ClusterIP", "NodePort"] {
+        return Err(format!("sctp {backend} spread: {spread:?}"));
+    }
+    for (kind, associations, answers) in spread.iter().flatten() {
+        let servers: Vec<&str> = answers.iter().map(|(s, _)| s.as_str()).collect();
+        if servers != SCTP_SERVERS {
+            return Err(format!("sctp {backend} {kind}: {answers:?}"));
+        }
+        if (*associations as u64) < SPREAD_2 {
+            return Err(format!(
+                "sctp {backend} {kind}: {associations} associations, fewer than the {SPREAD_2} the \
+                 spread check is sized for"
+            ));
+        }
+        if answers.iter().map(|(_, n)| n).sum::<usize>() != *associations {
+            return Err(format!(
+                "sctp {backend} {kind}: not every association answered: {answers:?}"
+            ));
+        }
+        let tally: BTreeMap<String, usize> = answers.iter().cloned().collect();
+        check_uniform(&tally, &SCTP_SERVERS).map_err(|e| format!("sctp {backend} {kind}: spread: {e}"))?;
+    }
+    Ok(())
+}
+
 #[test]
 fn ipvs_backend_in_a_debian_kernel_vm() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/ipvs-vm.sh");
@@ -150,39 +190,8 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
     // SCTP: every association answered, by both servers, through the ClusterIP and the NodePort;
     // a service without endpoints refuses a default socket (ENOPROTOOPT: aborted) within a second.
     for backend in ["nftables", "iptables"] {
-        let spread = sctp_spread(&stdout, backend);
-        let kinds: Vec<&str> = spread
-            .iter()
-            .flatten()
-            .map(|(kind, _, _)| kind.as_str())
-            .collect();
-        assert_eq!(
-            kinds,
-            ["ClusterIP", "NodePort"],
-            "sctp {backend} spread: {spread:?}"
-        );
-        for (kind, associations, answers) in spread.iter().flatten() {
-            let servers: Vec<&str> = answers.iter().map(|(s, _)| s.as_str()).collect();
-            assert_eq!(servers, SCTP_SERVERS, "sctp {backend} {kind}: {answers:?}");
-            // Each new association picks one of the 2 endpoints at random: over SPREAD_2 = 500
-            // associations stats::check_uniform accepts [194, 306] per endpoint, which a uniform
-            // choice leaves with probability <= 1e-6 (exact binomial tails), and fails a 2:1 skew
-            // with probability >= 0.99 and an endpoint never chosen always (stats unit tests).
-            // (24 associations, checked for "both > 0", caught only the never-chosen case.)
-            assert!(
-                *associations as u64 >= SPREAD_2,
-                "sctp {backend} {kind}: {associations} associations, fewer than the {SPREAD_2} the \
-                 spread check is sized for"
-            );
-            let tally: BTreeMap<String, usize> = answers.iter().cloned().collect();
-            if let Err(e) = check_uniform(&tally, &SCTP_SERVERS) {
-                panic!("sctp {backend} {kind}: spread: {e}");
-            }
-            assert_eq!(
-                answers.iter().map(|(_, n)| n).sum::<usize>(),
-                *associations,
-                "sctp {backend} {kind}: every association answered: {answers:?}"
-            );
+        if let Err(e) = check_sctp_spread(&stdout, backend) {
+            panic!("{e}");
         }
         let prefix = format!("VMTEST sctp {backend} no endpoints: ");
         for kind in ["ClusterIP", "NodePort"] {
@@ -227,4 +236,24 @@ fn sctp_lines_parse() {
         millis_after(out, prefix, "NodePort Err(Os(ENOPROTOOPT)) in "),
         Some(54)
     );
+}
+
+/// The host-side SCTP spread check on lines shaped as the VM prints them.
+#[test]
+fn sctp_spread_check_takes_uniform_answers_and_rejects_skews() {
+    let line = |a: usize, b: usize, c: usize, d: usize| {
+        format!(
+            "VMTEST sctp nftables spread: ClusterIP 10.96.1.10:7000 {} associations -> sctp-ep1={a} \
+             sctp-ep2={b}; NodePort 10.0.2.1:30132 {} associations -> sctp-ep1={c} sctp-ep2={d} (5 ms \
+             per association; 37 rules)\n",
+            a + b,
+            c + d
+        )
+    };
+    assert_eq!(check_sctp_spread(&line(251, 249, 230, 270), "nftables"), Ok(()));
+    // A 2:1 skew, an endpoint never chosen, too few associations, the other backend's line.
+    assert!(check_sctp_spread(&line(333, 167, 250, 250), "nftables").is_err());
+    assert!(check_sctp_spread(&line(250, 250, 500, 0), "nftables").is_err());
+    assert!(check_sctp_spread(&line(12, 12, 12, 12), "nftables").is_err());
+    assert!(check_sctp_spread(&line(250, 250, 250, 250), "iptables").is_err());
 }
