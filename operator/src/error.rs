@@ -15,9 +15,6 @@ pub enum Error {
     /// Bad flags or kubeconfig.
     #[error("configuration: {0}")]
     Config(String),
-    /// Leader election (Lease) failed.
-    #[error("leader election: {0}")]
-    Lease(#[from] kube_lease_manager::LeaseManagerError),
     /// The lease watcher stopped, so leadership can no longer be known.
     #[error("leader election stopped")]
     LeaseStopped,
@@ -41,7 +38,6 @@ impl Error {
         match self {
             Error::Kube { .. } => "kube",
             Error::Config(_) => "config",
-            Error::Lease(_) => "lease",
             Error::LeaseStopped => "lease_stopped",
             Error::NotReady(_) => "not_ready",
             Error::Io { .. } => "io",
