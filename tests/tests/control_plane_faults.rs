@@ -5,6 +5,8 @@
 //! - etcd and kube-apiserver SIGKILLed for 60 s while a wave is switching: both operator replicas
 //!   stay up and report the outage on `/healthz`; after the restart the wave's node reports
 //!   success and the next wave must start within soak + 5 s of the API's return;
+//! - etcd and kube-apiserver SIGSTOPped for 20 s while a wave soaks (requests hang instead of
+//!   failing): the same, from SIGCONT;
 //! - a ProxyPolicy deleted mid-rollout: its NodeProxies are released in their current modes, with an
 //!   annotation, an Event each and a metric (see `switchyard_operator::planner::lifecycle`);
 //! - a NodeProxy deleted mid-switch and re-created with an empty spec gets its spec back, health
@@ -35,6 +37,8 @@ use switchyard_e2e::{
 
 /// Length of the control-plane outage (the number).
 const OUTAGE: Duration = Duration::from_secs(60);
+/// Length of the hung (SIGSTOPped) control plane: long enough for the 6 s Lease to lapse.
+const HANG: Duration = Duration::from_secs(20);
 /// Soak of the wave that is switching when the control plane dies.
 const SOAK_SECONDS: u64 = 3;
 /// Generous bound for conditions that need no outage.
@@ -300,9 +304,11 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
         reported_at.as_secs_f64(),
         SOAK_SECONDS + 5
     );
+    let logs: Vec<String> = ops.iter().map(|o| o.log_text()).collect();
     assert!(
         took <= Duration::from_secs(SOAK_SECONDS + 5),
-        "the next wave started {took:?} after the API returned; soak {SOAK_SECONDS}s"
+        "the next wave started {took:?} after the API returned; soak {SOAK_SECONDS}s; logs:\n{}",
+        logs.join("\n----\n")
     );
     for op in ops.iter_mut() {
         assert!(op.running(), "{} exited:\n{}", op.identity, op.log_text());
@@ -591,4 +597,90 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
     let s = wait_status(&admin, "pool-a", "Ready", |s| s.phase == Some(PolicyPhase::Ready)).await;
     assert_eq!((s.updated_nodes, s.healthy_nodes), (2, 2));
     assert!(op.log_text().contains("restored its spec"), "{}", op.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_plane_hung_mid_soak_next_wave_within_soak_plus_5s() {
+    let _serial = SERIAL.lock().await;
+    let mut env = TestEnv::start(2, 0).await.expect("control plane and 2 nodes");
+    let admin = env.cp.admin_client().await.expect("admin");
+    let names: Vec<String> = env.cluster.nodes.iter().map(|n| n.name.clone()).collect();
+    setup_nodes(&admin, &names).await;
+    let mut ops = [
+        Operator::start(&env.cp, "op-a", &[]).await.expect("operator a"),
+        Operator::start(&env.cp, "op-b", &[]).await.expect("operator b"),
+    ];
+    apply_policy(
+        &env,
+        "pool-a",
+        json!({"nodeSelector": {"matchLabels": {"pool": "a"}}, "mode": "nftables",
+               "rollout": {"waves": [{"name": "one", "nodes": 1, "soakSeconds": SOAK_SECONDS},
+                                     {"name": "two", "nodes": "100%"}], "maxUnavailable": 1},
+               "healthGate": gate()}),
+    );
+    let s = wait_status(&admin, "pool-a", "plan", |s| s.waves.len() == 2).await;
+    let (first, second) = (s.waves[0].nodes[0].clone(), s.waves[1].nodes[0].clone());
+    let np = wait_np(&admin, &first, LIMIT, "wave one asked", |np| {
+        asked(np, ProxyMode::Nftables)
+    })
+    .await;
+    answer(&admin, &np, "Succeeded").await;
+    wait_status(&admin, "pool-a", "wave one soaking", |s| {
+        s.waves[0].state == switchyard_crds::v1alpha1::WaveState::Soaking
+    })
+    .await;
+
+    env.cp.stop_processes();
+    let stopped = Instant::now();
+    println!("control plane SIGSTOPped for {HANG:?}");
+    let mut reported = [false, false];
+    while stopped.elapsed() < HANG {
+        for (i, op) in ops.iter_mut().enumerate() {
+            assert!(
+                op.running(),
+                "{} exited while the API hung:\n{}",
+                op.identity,
+                op.log_text()
+            );
+            if let Some((code, body)) = op.get("/healthz") {
+                assert_eq!(code, 200, "{}: {body}", op.identity);
+                reported[i] |= body.contains("unreachable");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(
+        reported,
+        [true, true],
+        "both replicas report the hung API on /healthz"
+    );
+    let back = env
+        .cp
+        .continue_processes()
+        .await
+        .expect("SIGCONT the control plane");
+    let admin = env.cp.admin_client().await.expect("admin");
+    wait_np(
+        &admin,
+        &second,
+        Duration::from_secs(SOAK_SECONDS + 60),
+        "wave two starts",
+        |np| asked(np, ProxyMode::Nftables),
+    )
+    .await;
+    let took = back.elapsed();
+    println!(
+        "next wave started {:.1}s after the hung API resumed (soak {SOAK_SECONDS}s, ended while it hung; bound {}s)",
+        took.as_secs_f64(),
+        SOAK_SECONDS + 5
+    );
+    let logs: Vec<String> = ops.iter().map(|o| o.log_text()).collect();
+    assert!(
+        took <= Duration::from_secs(SOAK_SECONDS + 5),
+        "the next wave started {took:?} after the API resumed; logs:\n{}",
+        logs.join("\n----\n")
+    );
+    for op in ops.iter_mut() {
+        assert!(op.running(), "{} exited:\n{}", op.identity, op.log_text());
+    }
 }

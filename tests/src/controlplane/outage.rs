@@ -1,6 +1,7 @@
 //! Control-plane outages for fault tests: SIGKILL every control-plane process (etcd's data dir is
 //! kept) and start them again with the very same command lines (same ports, certificates and data),
-//! as a node reboot or a crashed static pod would.
+//! as a node reboot or a crashed static pod would; or SIGSTOP them (a hung control plane: open
+//! connections stay open and requests hang) and SIGCONT them.
 
 use std::{
     path::PathBuf,
@@ -43,6 +44,31 @@ impl ControlPlane {
             commands,
             at: Instant::now(),
         })
+    }
+
+    /// SIGSTOPs every control-plane process (the apiserver first).
+    pub fn stop_processes(&self) {
+        self.signal_all(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// SIGCONTs every control-plane process (etcd first) and waits until the apiserver is ready;
+    /// returns when `/readyz` answers `ok`.
+    pub async fn continue_processes(&mut self) -> Result<Instant> {
+        self.signal_all(nix::sys::signal::Signal::SIGCONT);
+        self.wait_ready().await?;
+        Ok(Instant::now())
+    }
+
+    fn signal_all(&self, signal: nix::sys::signal::Signal) {
+        let mut pids: Vec<u32> = self.processes.iter().map(|c| c.id()).collect();
+        if signal == nix::sys::signal::Signal::SIGSTOP {
+            pids.reverse();
+        }
+        for pid in pids {
+            if let Ok(pid) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+            }
+        }
     }
 
     /// Starts the killed processes again with the same command lines (logs appended) and waits
