@@ -175,7 +175,7 @@ base() { # name -> imports localhost/switchyard-<name>-base:debian12
     buildah commit --quiet --rm --timestamp "$SOURCE_DATE_EPOCH" "$ctr" "$ref-$hash" >/dev/null
     buildah tag "$ref-$hash" "$ref"
     # Earlier recipes' bases (their app images keep their layers until replaced).
-    buildah images --noheading --format '{{.Name}}:{{.Tag}}' "localhost/switchyard-$name-base" \
+    buildah images --noheading --format '{{.Name}}:{{.Tag}}' | grep "^localhost/switchyard-$name-base:" \
       | grep -v -e ":debian12$" -e ":debian12-$hash$" | xargs -r buildah rmi >/dev/null 2>&1 || true
   fi
 }
