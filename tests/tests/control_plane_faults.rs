@@ -252,32 +252,25 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
 
     let killed = env.cp.kill_processes().expect("kill etcd and kube-apiserver");
     println!("control plane SIGKILLed; outage of {OUTAGE:?}");
+    // Observed during the outage, asserted after the measurement (which comes first).
     let mut reported = [false, false];
+    let mut exited: Vec<String> = Vec::new();
+    let mut bad_codes: Vec<String> = Vec::new();
     while killed.at.elapsed() < OUTAGE {
         for (i, op) in ops.iter_mut().enumerate() {
-            assert!(
-                op.running(),
-                "{} exited during the outage:\n{}",
-                op.identity,
-                op.log_text()
-            );
+            if !op.running() && !exited.contains(&op.identity) {
+                exited.push(op.identity.clone());
+            }
             if let Some((code, body)) = op.get("/healthz") {
-                assert_eq!(code, 200, "{}: {body}", op.identity);
+                if code != 200 {
+                    bad_codes.push(format!("{}: {code} {body}", op.identity));
+                }
                 reported[i] |= body.contains("unreachable");
             }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert_eq!(
-        reported,
-        [true, true],
-        "both replicas report the outage on /healthz"
-    );
     let metrics = ops[0].get("/metrics").map(|m| m.1).unwrap_or_default();
-    assert!(
-        metrics.contains("switchyard_operator_api_reachable 0"),
-        "{metrics}"
-    );
     let back = env
         .cp
         .restart_processes(killed)
@@ -289,10 +282,11 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     let admin = env.cp.admin_client().await.expect("admin");
     answer(&admin, &np, "Succeeded").await;
     let reported_at = back.elapsed();
+    // Waits long (the assertion below is the bound), so a slow resume is measured, not cut off.
     let next = wait_np(
         &admin,
         &second,
-        Duration::from_secs(SOAK_SECONDS + 60),
+        Duration::from_secs(120),
         "wave two starts",
         |np| asked(np, ProxyMode::Nftables),
     )
@@ -303,6 +297,17 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
         took.as_secs_f64(),
         reported_at.as_secs_f64(),
         SOAK_SECONDS + 5
+    );
+    assert!(exited.is_empty(), "exited during the outage: {exited:?}");
+    assert!(bad_codes.is_empty(), "/healthz during the outage: {bad_codes:?}");
+    assert_eq!(
+        reported,
+        [true, true],
+        "both replicas report the outage on /healthz"
+    );
+    assert!(
+        metrics.contains("switchyard_operator_api_reachable 0"),
+        "{metrics}"
     );
     let logs: Vec<String> = ops.iter().map(|o| o.log_text()).collect();
     assert!(
