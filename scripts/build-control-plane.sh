@@ -19,6 +19,13 @@ HELM_RECIPE=1
 NODE_RECIPE=1
 bin="$cache/bin/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-r$RECIPE"
 mkdir -p "$bin"
+# One build at a time per cache (tests, CI and people may start this concurrently): a second run
+# waits here, then finds the binaries built.
+exec 9>"$cache/build.lock"
+if ! flock -n 9; then
+  echo "[build-control-plane $(date +%H:%M:%S)] waiting for another build in $cache" >&2
+  flock 9
+fi
 
 if ! command -v go >/dev/null 2>&1; then
   for g in /usr/local/go/bin/go /usr/lib/go/bin/go; do [ -x "$g" ] && PATH="$(dirname "$g"):$PATH" && break; done

@@ -87,10 +87,12 @@ impl KubeletCluster {
             ),
         )
         .map_err(io_err("write egress config"))?;
-        let cp = match ControlPlane::start_with(&[format!(
-            "--egress-selector-config-file={}",
-            egress_config.display()
-        )])
+        // The apiserver dials kubelets by InternalIP (the default prefers the Hostname address,
+        // which the egress proxy would have to resolve).
+        let cp = match ControlPlane::start_with(&[
+            format!("--egress-selector-config-file={}", egress_config.display()),
+            "--kubelet-preferred-address-types=InternalIP".to_owned(),
+        ])
         .await
         {
             Ok(cp) => cp,
@@ -225,6 +227,11 @@ impl KubeletCluster {
                     "--controllers=*".to_owned(),
                     "--node-monitor-period=1s".to_owned(),
                     "--cluster-name=switchyard-test".to_owned(),
+                    // Its default is created on the host (/usr/libexec/kubernetes/...).
+                    format!(
+                        "--flex-volume-plugin-dir={}/kcm-volume-plugins",
+                        self.dir.display()
+                    ),
                 ]);
             }
             let log = File::create(self.dir.join(format!("{name}.log"))).map_err(io_err("create log"))?;
@@ -346,6 +353,54 @@ impl KubeletCluster {
         tools::helm_run(&full)
     }
 
+    /// The end of every component's log (controllers, and each node's kubelet and containerd),
+    /// for failure messages.
+    pub fn diagnostics(&self) -> String {
+        let mut out = String::new();
+        for name in ["kube-controller-manager", "kube-scheduler"] {
+            out.push_str(&format!("--- {name}:\n{}\n", self.controller_log_tail(name)));
+        }
+        for node in &self.nodes {
+            for name in ["kubelet", "containerd"] {
+                out.push_str(&format!("--- {} {name}:\n{}\n", node.name, node.log_tail(name)));
+            }
+        }
+        out
+    }
+
+    /// Copies every log (apiserver, etcd, controllers, kubelets, containerds) to
+    /// `$TMPDIR/switchyard-e2e-logs/<run>/` (outside the swept run directories) and says where.
+    /// Done on drop while panicking, so a failed run's logs survive the teardown.
+    pub fn keep_logs(&self) {
+        let run = self
+            .dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let to = std::env::temp_dir().join("switchyard-e2e-logs").join(run);
+        let _ = std::fs::create_dir_all(&to);
+        let mut sources: Vec<(String, PathBuf)> = Vec::new();
+        for dir in [self.dir.clone(), self.cp.dir().to_path_buf()] {
+            if let Ok(entries) = std::fs::read_dir(&dir) {
+                for e in entries.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name.ends_with(".log") {
+                        sources.push((name, e.path()));
+                    }
+                }
+            }
+        }
+        for node in &self.nodes {
+            for name in ["kubelet", "containerd", "holder"] {
+                sources.push((format!("{}-{name}.log", node.name), node.log_path(name)));
+            }
+        }
+        for (name, path) in sources {
+            let _ = std::fs::copy(&path, to.join(name));
+        }
+        eprintln!("[kubelet cluster] logs kept in {}", to.display());
+    }
+
     /// Last lines of a controller's log (`kube-controller-manager`, `kube-scheduler`).
     pub fn controller_log_tail(&self, name: &str) -> String {
         tail(&self.dir.join(format!("{name}.log")))
@@ -392,6 +447,9 @@ async fn create_node(client: &Client, node: &netns::Node) -> Result<()> {
 impl Drop for KubeletCluster {
     fn drop(&mut self) {
         let start = Instant::now();
+        if std::thread::panicking() {
+            self.keep_logs();
+        }
         std::thread::scope(|s| {
             for node in self.nodes.iter_mut() {
                 s.spawn(move || node.stop());

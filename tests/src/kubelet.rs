@@ -185,27 +185,23 @@ impl KubeletNode {
             .collect();
         write(&self.dir.join("sysctl/wanted"), &wanted)?;
         let containerd = format!(
-            r#"version = 3
+            r#"version = 4
 root = "{d}/containerd/root"
 state = "{d}/containerd/state"
-disabled_plugins = [
-  "io.containerd.nri.v1.nri",
-  "io.containerd.snapshotter.v1.blockfile",
-  "io.containerd.snapshotter.v1.erofs",
-  "io.containerd.tracing.processor.v1.otlp",
-  "io.containerd.internal.v1.tracing",
-]
-
-[grpc]
-  address = "{d}/containerd.sock"
-
-[ttrpc]
-  address = "{d}/containerd.sock.ttrpc"
+imports = []
+# NRI would listen on the host-wide /var/run/nri/nri.sock.
+disabled_plugins = ["io.containerd.nri.v1.nri"]
 
 [debug]
   level = "info"
 
 [plugins]
+  [plugins."io.containerd.server.v1.grpc"]
+    address = "{d}/containerd.sock"
+  [plugins."io.containerd.server.v1.ttrpc"]
+    address = "{d}/containerd.sock.ttrpc"
+  [plugins."io.containerd.image-verifier.v1.bindir"]
+    bin_dir = "{d}/containerd/image-verifier"
   [plugins."io.containerd.internal.v1.opt"]
     path = "{d}/containerd/opt"
   [plugins."io.containerd.cri.v1.images"]
@@ -215,6 +211,9 @@ disabled_plugins = [
   [plugins."io.containerd.cri.v1.runtime"]
     disable_apparmor = true
     netns_mounts_under_state_dir = true
+    # Without CAP_SYS_RESOURCE (this machine's root lacks it) no process may lower its OOM score:
+    # sandboxes ask for -998, which fails runc. Capped at containerd's own score instead.
+    restrict_oom_score_adj = true
     [plugins."io.containerd.cri.v1.runtime".containerd]
       default_runtime_name = "runc"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
