@@ -239,6 +239,17 @@ impl Driver {
                 tracing::warn!(reason, %message, "the persisted switch state is not trusted");
                 self.state_problem = Some(StateProblem { reason, message });
             }
+            if let Some((result, reason)) = start.result {
+                self.last = Some(Finished {
+                    from: self.state.active,
+                    to: start.state.active,
+                    result,
+                    reason,
+                    token: start.state.answered.clone(),
+                    started: None,
+                    finished: k8s_openapi::jiff::Timestamp::now(),
+                });
+            }
             self.state = start.state;
         }
         let r = switch::recover(&self.state);

@@ -36,8 +36,15 @@ struct HealthState {
     oldest_pending: Option<Instant>,
     last_updated: SystemTime,
     node_eligible: bool,
-    /// Watches (by name) currently failing: since when, and the last error.
-    api_failing: BTreeMap<&'static str, (SystemTime, String)>,
+    /// Watches (by name) currently failing: since when, and the last error with its time.
+    api_failing: BTreeMap<&'static str, ApiFailure>,
+}
+
+#[derive(Debug, Clone)]
+struct ApiFailure {
+    since: SystemTime,
+    error: String,
+    last: Instant,
 }
 
 /// The apiserver as the agent's watches see it.
@@ -113,11 +120,19 @@ impl ProxyHealth {
     pub fn api_failed(&self, what: &'static str, error: String) -> bool {
         self.with(|s| match s.api_failing.get_mut(what) {
             Some(entry) => {
-                entry.1 = error;
+                entry.error = error;
+                entry.last = Instant::now();
                 false
             }
             None => {
-                s.api_failing.insert(what, (SystemTime::now(), error));
+                s.api_failing.insert(
+                    what,
+                    ApiFailure {
+                        since: SystemTime::now(),
+                        error,
+                        last: Instant::now(),
+                    },
+                );
                 true
             }
         })
@@ -126,19 +141,41 @@ impl ProxyHealth {
     /// The watch `what` delivered an event; returns how long it had been failing, if it was.
     pub fn api_recovered(&self, what: &'static str) -> Option<Duration> {
         self.with(|s| s.api_failing.remove(what))
-            .map(|(since, _)| since.elapsed().unwrap_or_default())
+            .map(|f| f.since.elapsed().unwrap_or_default())
+    }
+
+    /// A request to the apiserver succeeded: watches that have reported no error for `quiet`
+    /// have recovered too (a watch resumed from its resource version delivers no event until
+    /// something changes). Returns the recovered watches with how long each had failed.
+    pub fn api_answered(&self, quiet: Duration) -> Vec<(&'static str, Duration)> {
+        self.with(|s| {
+            let quiet_ones: Vec<&'static str> = s
+                .api_failing
+                .iter()
+                .filter(|(_, f)| f.last.elapsed() >= quiet)
+                .map(|(w, _)| *w)
+                .collect();
+            quiet_ones
+                .into_iter()
+                .filter_map(|w| {
+                    s.api_failing
+                        .remove(w)
+                        .map(|f| (w, f.since.elapsed().unwrap_or_default()))
+                })
+                .collect()
+        })
     }
 
     /// The apiserver's reachability.
     pub fn api_view(&self) -> ApiView {
         self.with(|s| ApiView {
             reachable: s.api_failing.is_empty(),
-            unreachable_since: s.api_failing.values().map(|(t, _)| *t).min(),
+            unreachable_since: s.api_failing.values().map(|f| f.since).min(),
             last_error: s
                 .api_failing
                 .values()
-                .max_by_key(|(t, _)| *t)
-                .map(|(_, e)| e.clone()),
+                .max_by_key(|f| f.last)
+                .map(|f| f.error.clone()),
         })
     }
 

@@ -272,6 +272,8 @@ pub struct Start {
     pub state: SwitchState,
     /// `(reason, message)` for status and an Event.
     pub problem: Option<(&'static str, String)>,
+    /// A switch result to report: a switch the file missed the end of.
+    pub result: Option<(&'static str, String)>,
 }
 
 fn modes_text(modes: &[ProxyMode]) -> String {
@@ -314,21 +316,38 @@ pub fn start_state(
     let trusted = |state: &SwitchState| Start {
         state: state.clone(),
         problem: None,
+        result: None,
     };
+    let present = |mode: ProxyMode| kernel.iter().any(|(m, p)| *m == mode && *p != Presence::Absent);
     match loaded {
         Loaded::Valid(state) => {
             let serve = recover(state).serve;
-            if serving.is_empty() || serving.contains(&serve) {
+            // Mid-switch, either side may serve (the cut-over moves the entry points), as long as
+            // the backend being left is still there (only Cleaning removes it).
+            let mid_switch_agrees = state.phase != Phase::Active
+                && (present(state.active) || state.phase == Phase::Cleaning)
+                && serving
+                    .iter()
+                    .all(|m| *m == state.active || Some(*m) == state.target);
+            if serving.is_empty() || serving.contains(&serve) || mid_switch_agrees {
                 return trusted(state);
             }
             let keep = pick(&[state.target, Some(initial)]);
-            // The switch that file missed evidently finished: its token is answered.
-            let answered = if Some(keep) == state.target {
+            // The switch the file missed the end of evidently finished: its token is answered.
+            let finished = state.phase != Phase::Active && Some(keep) == state.target;
+            let answered = if finished {
                 state.token.clone().or_else(|| state.answered.clone())
             } else {
                 state.answered.clone()
             };
             Start {
+                result: finished.then(|| {
+                    (
+                        "Succeeded",
+                        "the switch had finished (the kernel serves only its target); the state file missed its end"
+                            .to_owned(),
+                    )
+                }),
                 state: SwitchState {
                     answered,
                     ..SwitchState::active(keep)
@@ -357,12 +376,14 @@ pub fn start_state(
             Start {
                 state: SwitchState::active(keep),
                 problem,
+                result: None,
             }
         }
         Loaded::Corrupt(why) => {
             let keep = pick(&[Some(initial)]);
             Start {
                 state: SwitchState::active(keep),
+                result: None,
                 problem: Some((
                     "StateFileCorrupt",
                     format!(
@@ -671,6 +692,15 @@ mod tests {
                     active: Nftables,
                     answered: Some("t1"),
                     problem: Some("StateFileStale"),
+                },
+                Case {
+                    name: "mid-switch, the target serves and the old is bypassed: the state decides",
+                    loaded: Loaded::Valid(verifying.clone()),
+                    kernel: kernel(&[Nftables], &[Iptables]),
+                    initial: Iptables,
+                    active: Iptables,
+                    answered: Some("t0"),
+                    problem: None,
                 },
                 Case {
                     name: "mid-switch and both serve: the state decides (recovery returns to the old)",
