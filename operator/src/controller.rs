@@ -38,7 +38,7 @@ use crate::{
     context::{Context, Health, KnownSpecs, OwnWrites, Stores},
     fleet,
     lease::{self, LeaseConfig},
-    metrics::{Metrics, PolicyNodesLabel, ReasonLabel},
+    metrics::{Metrics, ReasonLabel},
     planner::{self, NodeInput, NodeProxyInput, NodeWrite, PlanEvent, PolicyInput},
     retry::{self, ApiState, RetryBackoff},
 };
@@ -469,21 +469,16 @@ async fn reconcile(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action
         publish(&ctx, &policy, event).await;
     }
     let s = &pp.status;
-    for (kind, value) in [
-        ("target", s.target_nodes),
-        ("updated", s.updated_nodes),
-        ("healthy", s.healthy_nodes),
-        ("failed", s.failed_nodes),
-        ("incompatible", s.incompatible_nodes),
-    ] {
-        ctx.metrics
-            .policy_nodes
-            .get_or_create(&PolicyNodesLabel {
-                policy: name.clone(),
-                kind: kind.into(),
-            })
-            .set(i64::from(value));
-    }
+    ctx.metrics.set_policy_nodes(
+        &name,
+        [
+            s.target_nodes,
+            s.updated_nodes,
+            s.healthy_nodes,
+            s.failed_nodes,
+            s.incompatible_nodes,
+        ],
+    );
     ctx.health.reconciled();
     ctx.metrics
         .reconcile_duration

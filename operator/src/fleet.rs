@@ -272,4 +272,6 @@ async fn release_ungoverned(ctx: &Context) {
     ctx.metrics
         .ungoverned_nodes
         .set(i64::try_from(ungoverned).unwrap_or(i64::MAX));
+    let existing = policies.iter().map(|p| p.name.clone()).collect();
+    ctx.metrics.retain_policies(&existing);
 }

@@ -29,6 +29,9 @@ pub struct PolicyNodesLabel {
     pub kind: String,
 }
 
+/// Node count kinds of `switchyard_operator_policy_nodes`.
+pub const POLICY_NODE_KINDS: [&str; 5] = ["target", "updated", "healthy", "failed", "incompatible"];
+
 /// Every metric the operator exports.
 pub struct Metrics {
     registry: Registry,
@@ -54,6 +57,8 @@ pub struct Metrics {
     pub api_reachable: Gauge,
     /// switchyard_operator_api_unreachable_since_seconds: Unix time since which it fails, 0 when not.
     pub api_unreachable_since: Gauge,
+    /// Policies with `policy_nodes` series (removed when the policy is gone).
+    reported: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Default for Metrics {
@@ -79,6 +84,7 @@ impl Metrics {
             ungoverned_nodes: Gauge::default(),
             api_reachable: Gauge::default(),
             api_unreachable_since: Gauge::default(),
+            reported: Default::default(),
             registry: Registry::default(),
         };
         registry.register("reconciles", "Reconciles of ProxyPolicies", m.reconciles.clone());
@@ -123,6 +129,40 @@ impl Metrics {
         Self { registry, ..m }
     }
 
+    /// Sets the `policy_nodes` series of `policy` (`values` in [`POLICY_NODE_KINDS`] order).
+    pub fn set_policy_nodes(&self, policy: &str, values: [i32; 5]) {
+        for (kind, value) in POLICY_NODE_KINDS.iter().zip(values) {
+            self.policy_nodes
+                .get_or_create(&PolicyNodesLabel {
+                    policy: policy.into(),
+                    kind: (*kind).into(),
+                })
+                .set(i64::from(value));
+        }
+        self.reported
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(policy.into());
+    }
+
+    /// Removes the `policy_nodes` series of policies not in `existing` (deleted policies report
+    /// nothing rather than their last counts).
+    pub fn retain_policies(&self, existing: &std::collections::BTreeSet<String>) {
+        let mut reported = self
+            .reported
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for policy in reported.iter().filter(|p| !existing.contains(*p)) {
+            for kind in POLICY_NODE_KINDS {
+                self.policy_nodes.remove(&PolicyNodesLabel {
+                    policy: policy.clone(),
+                    kind: kind.into(),
+                });
+            }
+        }
+        reported.retain(|p| existing.contains(p));
+    }
+
     /// The Prometheus text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -130,5 +170,25 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deleted_policy_loses_its_series() {
+        let m = Metrics::new();
+        m.set_policy_nodes("a", [3, 2, 2, 0, 1]);
+        m.set_policy_nodes("b", [1, 1, 1, 0, 0]);
+        assert!(
+            m.encode()
+                .contains(r#"switchyard_operator_policy_nodes{policy="a",kind="target"} 3"#)
+        );
+        m.retain_policies(&["b".to_string()].into());
+        let text = m.encode();
+        assert!(!text.contains(r#"policy="a""#), "{text}");
+        assert!(text.contains(r#"policy="b""#), "{text}");
     }
 }

@@ -475,6 +475,10 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
         metrics.contains("switchyard_operator_ungoverned_nodes 4"),
         "{metrics}"
     );
+    assert!(
+        !metrics.contains(r#"policy="pool-a""#),
+        "no counts for a deleted policy: {metrics}"
+    );
     let table = env
         .cp
         .kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)
