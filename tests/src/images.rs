@@ -178,3 +178,33 @@ pub fn busybox_image(work: &Path) -> Result<PathBuf> {
         },
     )
 }
+
+/// An archive built by `scripts/build-images.sh` (`agent`, `operator`, `testbox`):
+/// `${SWITCHYARD_CACHE:-~/.cache/switchyard}/images/switchyard-<name>.tar`.
+pub fn project_image(name: &str) -> Result<PathBuf> {
+    let cache = std::env::var_os("SWITCHYARD_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/switchyard")))
+        .ok_or_else(|| Error::Prerequisite("neither SWITCHYARD_CACHE nor HOME is set".into()))?;
+    let path = cache.join("images").join(format!("switchyard-{name}.tar"));
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(Error::Prerequisite(format!(
+            "{} is missing: run scripts/build-images.sh",
+            path.display()
+        )))
+    }
+}
+
+/// The image reference a docker-archive carries (the first `RepoTags` entry of `manifest.json`),
+/// which is what `ctr images import` names it.
+pub fn archive_reference(archive: &Path) -> Result<String> {
+    let manifest = run("tar", &["-xOf", &archive.display().to_string(), "manifest.json"])?;
+    let parsed: serde_json::Value =
+        serde_json::from_str(&manifest).map_err(|e| Error::Prerequisite(format!("manifest.json: {e}")))?;
+    parsed[0]["RepoTags"][0]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| Error::Prerequisite(format!("{}: no RepoTags", archive.display())))
+}

@@ -420,3 +420,104 @@ async fn kubelet_nodes_run_pods_with_the_real_controllers() {
         assert!(!dir.exists(), "{} is left", dir.display());
     }
 }
+
+/// The project's images (`scripts/build-images.sh`) load into every node and the testbox runs:
+/// its `swy-echo` answers a pod on another node. Ignored by default: it needs the archives, which
+/// `scripts/test.sh` does not build yet (`cargo test --test kubelet_nodes -- --ignored`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the archives of scripts/build-images.sh"]
+async fn project_images_load_and_run_on_kubelet_nodes() {
+    let archives: Vec<PathBuf> = ["agent", "operator", "testbox"]
+        .into_iter()
+        .map(|name| images::project_image(name).expect("image archive"))
+        .collect();
+    let mut cluster = KubeletCluster::start(2)
+        .await
+        .expect("control plane and 2 kubelet nodes");
+    let t = Instant::now();
+    for archive in &archives {
+        cluster.load_image(archive).expect("load into every node");
+    }
+    eprintln!(
+        "[kubelet nodes] project images loaded into 2 nodes: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    for node in &cluster.nodes {
+        let listed = node.crictl(&["images", "-o", "json"]).expect("crictl images");
+        for archive in &archives {
+            let reference = images::archive_reference(archive).expect("reference");
+            assert!(listed.contains(&reference), "{} lists {reference}", node.name);
+        }
+    }
+    let testbox = images::archive_reference(&archives[2]).expect("testbox reference");
+    let manifest = format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: server, namespace: default}}
+spec:
+  nodeName: node-1
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: echo
+    image: {testbox}
+    imagePullPolicy: Never
+    command: ["swy-echo", "serve", "--name", "server", "--tcp", "8080"]
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: client, namespace: default}}
+spec:
+  nodeName: node-2
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: sleep
+    image: {testbox}
+    imagePullPolicy: Never
+    command: ["sleep", "100000"]
+"#
+    );
+    eventually(Duration::from_secs(60), "default ServiceAccount", || {
+        let cluster = &cluster;
+        async move {
+            cluster
+                .kubectl(&["get", "serviceaccount", "default"], None)
+                .ok()
+                .filter(|(ok, _, _)| *ok)
+        }
+    })
+    .await
+    .expect("default ServiceAccount");
+    cluster
+        .kubectl_ok(&["apply", "-f", "-"], Some(&manifest))
+        .expect("apply pods");
+    let admin = cluster.client().await.expect("client");
+    let pods: Api<Pod> = Api::namespaced(admin, "default");
+    let server = eventually(Duration::from_secs(120), "testbox pods running", || {
+        let pods = pods.clone();
+        async move {
+            let server = pods.get("server").await.ok().filter(running_and_ready)?;
+            pods.get("client").await.ok().filter(running_and_ready)?;
+            Some(server)
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", cluster.diagnostics()));
+    cluster.check_running().expect("components running");
+    for ip in pod_ips(&server) {
+        let target = if ip.contains(':') {
+            format!("[{ip}]:8080")
+        } else {
+            format!("{ip}:8080")
+        };
+        let out = cluster
+            .kubectl_ok(
+                &[
+                    "exec", "client", "--", "swy-echo", "client", "--target", &target, "--proto", "tcp",
+                    "--count", "1",
+                ],
+                None,
+            )
+            .expect("swy-echo client");
+        assert!(out.starts_with("ok server "), "client → {target}: {out}");
+    }
+}
