@@ -5,6 +5,7 @@
 
 use std::{
     net::SocketAddr,
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -55,15 +56,20 @@ async fn want(proxies: &Api<NodeProxy>, node: &str, mode: &str, token: &str, pro
 
 /// Waits until the node answered `token` and returns (result, active mode, switch seconds as the
 /// agent measured them from start to end of the switch).
+/// On a timeout the failure shows the last status seen and the end of the node's agent log (in
+/// `run_dir`, the control plane's run directory).
 async fn answered(
     proxies: &Api<NodeProxy>,
+    run_dir: &Path,
     node: &str,
     token: &str,
     limit: Duration,
 ) -> (String, Option<ProxyMode>, f64) {
     let start = Instant::now();
+    let mut seen = None;
     loop {
         if let Ok(np) = proxies.get(node).await {
+            seen = np.status.clone();
             let status = np.status.unwrap_or_default();
             if let Some(last) = status
                 .last_switch
@@ -77,10 +83,21 @@ async fn answered(
                 return (last.result, status.active_mode, took);
             }
         }
-        assert!(
-            start.elapsed() < limit,
-            "{node} did not answer {token} within {limit:?}"
-        );
+        if start.elapsed() > limit {
+            let log = switchyard_e2e::logs::read(&run_dir.join(format!("agent-{node}.log")));
+            let tail: Vec<&str> = log
+                .lines()
+                .rev()
+                .take(80)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            panic!(
+                "{node} did not answer {token} within {limit:?}; last status: {seen:#?}\nagent log (last 80 lines):\n{}",
+                tail.join("\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -185,7 +202,8 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
         }
         let mut times = Vec::new();
         for n in &nodes {
-            let (result, active, secs) = answered(&proxies, &n.name, token, Duration::from_secs(60)).await;
+            let (result, active, secs) =
+                answered(&proxies, env.cp.dir(), &n.name, token, Duration::from_secs(60)).await;
             let detail = proxies
                 .get(&n.name)
                 .await
@@ -257,7 +275,14 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    let (result, _, _) = answered(&proxies, &n2.name, "to-ipt", Duration::from_secs(30)).await;
+    let (result, _, _) = answered(
+        &proxies,
+        env.cp.dir(),
+        &n2.name,
+        "to-ipt",
+        Duration::from_secs(30),
+    )
+    .await;
     assert_eq!(result, "Succeeded", "lastSwitch survives an agent restart");
 
     // A failing health gate rolls the node back, and nothing of the target is left.
@@ -270,7 +295,14 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
         json!([{"namespace": "default", "name": "broken"}]),
     )
     .await;
-    let (result, active, _) = answered(&proxies, &n0.name, "gate-fails", Duration::from_secs(60)).await;
+    let (result, active, _) = answered(
+        &proxies,
+        env.cp.dir(),
+        &n0.name,
+        "gate-fails",
+        Duration::from_secs(60),
+    )
+    .await;
     assert_eq!(
         (result.as_str(), active),
         ("RolledBack", Some(ProxyMode::Iptables))
@@ -345,7 +377,14 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
         let token = node_token(&env.cp, &node.name).await.expect("token");
         env.agents
             .push(Agent::start(&env.cp, node, &token, &AGENT_ARGS).expect("agent"));
-        let (result, active, _) = answered(&proxies, &node.name, &crash_token, Duration::from_secs(90)).await;
+        let (result, active, _) = answered(
+            &proxies,
+            env.cp.dir(),
+            &node.name,
+            &crash_token,
+            Duration::from_secs(90),
+        )
+        .await;
         assert_eq!(result, "Succeeded", "{}: killed in {phase}", node.name);
         assert_eq!(active.map(|m| m.to_string()).as_deref(), Some(target));
         assert_eq!(
