@@ -345,6 +345,27 @@ impl KubeletCluster {
         self.cp.kubectl_ok(args, stdin)
     }
 
+    /// `kubectl exec` of `command` in `pod` (namespace `namespace`, its first container), bounded
+    /// by `limit` (kubectl is stopped then): stdout, or the failure with stderr.
+    pub fn exec(&self, namespace: &str, pod: &str, command: &[&str], limit: Duration) -> Result<String> {
+        let kubectl = self.cp.bin.join("kubectl").display().to_string();
+        let kubeconfig = format!("--kubeconfig={}", self.cp.admin_kubeconfig().display());
+        let secs = format!("{}", limit.as_secs().max(1));
+        let mut args = vec![
+            "--kill-after=5",
+            secs.as_str(),
+            kubectl.as_str(),
+            kubeconfig.as_str(),
+            "exec",
+            "-n",
+            namespace,
+            pod,
+            "--",
+        ];
+        args.extend_from_slice(command);
+        crate::run("timeout", &args)
+    }
+
     /// helm against this cluster (admin kubeconfig): (success, stdout, stderr).
     pub fn helm(&self, args: &[&str]) -> Result<tools::Output> {
         let kubeconfig = self.cp.admin_kubeconfig().display().to_string();

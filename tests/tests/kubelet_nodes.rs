@@ -115,10 +115,8 @@ fn node_of(pod: &Pod) -> String {
 }
 
 fn exec(cluster: &KubeletCluster, pod: &str, command: &[&str]) -> String {
-    let mut args = vec!["exec", "-n", NS, pod, "--"];
-    args.extend_from_slice(command);
     cluster
-        .kubectl_ok(&args, None)
+        .exec(NS, pod, command, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("kubectl exec {pod} {command:?}: {e}"))
 }
 
@@ -510,12 +508,13 @@ spec:
             format!("{ip}:8080")
         };
         let out = cluster
-            .kubectl_ok(
+            .exec(
+                "default",
+                "client",
                 &[
-                    "exec", "client", "--", "swy-echo", "client", "--target", &target, "--proto", "tcp",
-                    "--count", "1",
+                    "swy-echo", "client", "--target", &target, "--proto", "tcp", "--count", "1",
                 ],
-                None,
+                Duration::from_secs(60),
             )
             .expect("swy-echo client");
         assert!(out.starts_with("ok server "), "client → {target}: {out}");
