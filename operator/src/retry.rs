@@ -6,6 +6,13 @@
 //! "too old resource version" (410 Expired) error that follows a restart costs one more sleep
 //! although the watcher has already reset itself to re-list. Here: 250 ms doubling to at most 2 s
 //! (with jitter), and no sleep at all after a 410, so a watcher re-lists as soon as the API answers.
+//! The Controller's own ProxyPolicy watch cannot tell a 410 from other errors (its backoff sees no
+//! error), so it waits at most [`MAX_DELAY`] (+20 %) there; the caches the planner reads re-list at
+//! once, and each completed re-list triggers a reconcile of every policy.
+//!
+//! Measured (`tests/tests/control_plane_faults.rs`, etcd + kube-apiserver SIGKILLed for 60 s while
+//! a wave switches, soak 3 s): the next wave started 3.1 s after the API returned; with
+//! kube-runtime's default backoff and kube-lease-manager (the operator before this module) 56.3 s.
 
 use std::{
     pin::Pin,
