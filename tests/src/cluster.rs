@@ -320,6 +320,51 @@ impl KubeletCluster {
         Ok(())
     }
 
+    /// The apiserver as nodes and pods reach it without a Service proxy: the fabric's forwarder
+    /// ([`crate::controlplane::ADVERTISE_ADDRESS`], the port of `default/kubernetes`). What a
+    /// hostNetwork component needs as `KUBERNETES_SERVICE_HOST`/`_PORT` before any proxy runs.
+    pub fn apiserver_endpoint(&self) -> (std::net::Ipv4Addr, u16) {
+        (crate::controlplane::ADVERTISE_ADDRESS, self.cp.port)
+    }
+
+    /// Waits until at least `count` pods in `namespace` matching `selector` are Running and Ready
+    /// and returns them; fails early when a component exits, and on timeout with the pods'
+    /// description and the components' logs.
+    pub async fn wait_pods_ready(
+        &mut self,
+        namespace: &str,
+        selector: &str,
+        count: usize,
+        limit: Duration,
+    ) -> Result<Vec<k8s_openapi::api::core::v1::Pod>> {
+        let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(self.client().await?, namespace);
+        let start = Instant::now();
+        loop {
+            self.check_running()?;
+            let list = pods
+                .list(&kube::api::ListParams::default().labels(selector))
+                .await?;
+            let ready: Vec<_> = list.items.into_iter().filter(pod_ready).collect();
+            if ready.len() >= count {
+                return Ok(ready);
+            }
+            if start.elapsed() > limit {
+                let (_, described, _) = self
+                    .kubectl(&["describe", "pods", "-n", namespace, "-l", selector], None)
+                    .unwrap_or_default();
+                return Err(Error::Timeout(
+                    limit,
+                    format!(
+                        "{count} pods {selector} in {namespace} Running and Ready ({} are):\n{described}\n{}",
+                        ready.len(),
+                        self.diagnostics()
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// The cluster's working directory (controller logs, images built for it).
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -432,6 +477,15 @@ fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Whether a Pod is Running with its Ready condition true.
+pub fn pod_ready(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+    let status = pod.status.as_ref();
+    status.and_then(|s| s.phase.as_deref()) == Some("Running")
+        && status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// Whether a Node is Ready and carries no not-ready/unreachable taint.

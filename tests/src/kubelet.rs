@@ -487,8 +487,7 @@ registerNode: true
 
     /// Imports an image archive (docker-archive or OCI layout tar) into the node's containerd.
     pub fn import_image(&self, archive: &Path) -> Result<()> {
-        self.ctr(&["images", "import", "--local", &archive.display().to_string()])
-            .or_else(|_| self.ctr(&["images", "import", &archive.display().to_string()]))
+        self.ctr(&["images", "import", &archive.display().to_string()])
             .map(|_| ())
     }
 

@@ -69,7 +69,6 @@ pub fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
 
 /// Removes leftovers of dead test processes. Safe to call concurrently from several tests.
 pub fn sweep_leftovers() {
-    sweep_cgroups_of_dead();
     let tmp = std::env::temp_dir();
     if let Ok(entries) = std::fs::read_dir(&tmp) {
         for entry in entries.flatten() {
@@ -80,6 +79,8 @@ pub fn sweep_leftovers() {
             }
         }
     }
+    // After the run directories: their kubelets (killed there) no longer restart containers.
+    sweep_cgroups_of_dead();
     if let Ok(list) = crate::run("ip", &["netns", "list"]) {
         for ns in list.lines().filter_map(|l| l.split_whitespace().next()) {
             if owner_pid(ns).is_some_and(|p| !alive(p)) {

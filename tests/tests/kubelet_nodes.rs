@@ -20,7 +20,10 @@ use kube::{
     Api,
     api::{ListParams, PostParams},
 };
-use switchyard_e2e::{cluster::KubeletCluster, eventually, images, sweep};
+use switchyard_e2e::{
+    cluster::{KubeletCluster, pod_ready},
+    eventually, images, sweep,
+};
 
 const NS: &str = "smoke";
 
@@ -91,14 +94,6 @@ spec:
     )
 }
 
-fn running_and_ready(pod: &Pod) -> bool {
-    let status = pod.status.as_ref();
-    status.and_then(|s| s.phase.as_deref()) == Some("Running")
-        && status
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
 fn pod_ips(pod: &Pod) -> Vec<String> {
     pod.status
         .as_ref()
@@ -163,32 +158,12 @@ async fn kubelet_nodes_run_pods_with_the_real_controllers() {
         .kubectl_ok(&["apply", "-f", "-"], Some(&manifests()))
         .expect("apply the workloads");
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
-    let echo = {
-        let limit = Duration::from_secs(120);
-        let start = Instant::now();
-        loop {
-            cluster.check_running().expect("cluster components keep running");
-            let list = pods
-                .list(&ListParams::default().labels("app=echo"))
-                .await
-                .expect("list pods");
-            let ready: Vec<Pod> = list.items.into_iter().filter(running_and_ready).collect();
-            let on: BTreeSet<String> = ready.iter().map(node_of).collect();
-            if ready.len() == 3 && on.len() == 3 {
-                break ready;
-            }
-            if start.elapsed() > limit {
-                let (_, described, _) = cluster
-                    .kubectl(&["describe", "pods", "-n", NS], None)
-                    .unwrap_or_default();
-                panic!(
-                    "DaemonSet pods not Running and Ready on every node within {limit:?} (ready on {on:?}):\n{described}\n{}",
-                    cluster.diagnostics()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    };
+    let echo = cluster
+        .wait_pods_ready(NS, "app=echo", 3, Duration::from_secs(120))
+        .await
+        .expect("the DaemonSet's pods run");
+    let on: BTreeSet<String> = echo.iter().map(node_of).collect();
+    assert_eq!(on.len(), 3, "one DaemonSet pod on every node: {on:?}");
     eprintln!(
         "[kubelet nodes] DaemonSet pods Running and Ready on 3 nodes: {:.1} s after apply",
         t.elapsed().as_secs_f64()
@@ -336,7 +311,7 @@ async fn kubelet_nodes_run_pods_with_the_real_controllers() {
                 .list(&ListParams::default().labels("app=hostnet"))
                 .await
                 .ok()?;
-            list.items.into_iter().find(running_and_ready)
+            list.items.into_iter().find(pod_ready)
         }
     })
     .await
@@ -493,8 +468,8 @@ spec:
     let server = eventually(Duration::from_secs(120), "testbox pods running", || {
         let pods = pods.clone();
         async move {
-            let server = pods.get("server").await.ok().filter(running_and_ready)?;
-            pods.get("client").await.ok().filter(running_and_ready)?;
+            let server = pods.get("server").await.ok().filter(pod_ready)?;
+            pods.get("client").await.ok().filter(pod_ready)?;
             Some(server)
         }
     })
