@@ -303,6 +303,16 @@ async fn kubelet_nodes_run_pods_with_the_real_controllers() {
         t.elapsed().as_secs_f64()
     );
 
+    // Pods reach the apiserver at the fabric's address (what components get as their apiserver
+    // until a proxy serves the `kubernetes` ClusterIP): its TLS port answers plain HTTP with 400.
+    let (host, port) = cluster.apiserver_endpoint();
+    let request = format!("printf 'GET /readyz HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {host} {port}");
+    let response = exec(&cluster, &by_node["node-2"].0, &["sh", "-c", &request]);
+    assert!(
+        response.starts_with("HTTP/1.0 400") && response.contains("HTTPS server"),
+        "a pod reaches the apiserver at {host}:{port}:\n{response}"
+    );
+
     // The hostNetwork pod has its node's addresses and sees the node's interfaces.
     let hostnet = eventually(Duration::from_secs(60), "hostNetwork pod Running", || {
         let pods = pods.clone();
