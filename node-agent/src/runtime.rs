@@ -517,22 +517,35 @@ async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) 
         };
         match event {
             watcher::Event::Apply(np) | watcher::Event::InitApply(np) => {
-                let wish = Wish {
-                    desired: np.spec.desired_mode.map(|mode| Desired {
-                        mode,
-                        token: np.spec.rollout_token.clone(),
-                    }),
-                    gate: np.spec.health_gate.clone().unwrap_or_default(),
-                    probes: np
-                        .spec
-                        .health_gate
-                        .as_ref()
-                        .map(|g| g.probes.clone())
-                        .unwrap_or_default(),
-                    generation: np.metadata.generation,
-                };
-                *lock(&shared.wish) = wish;
-                *lock(&shared.proxy_settings) = np.spec.proxy.clone();
+                let mut wish = lock(&shared.wish);
+                if np.spec.desired_mode.is_none() {
+                    // A spec without a desired mode is what a re-created NodeProxy looks like until
+                    // the operator writes it again: keep the health gate and settings of a switch
+                    // under way instead of falling back to defaults.
+                    if wish.desired.is_some() {
+                        tracing::warn!(
+                            "NodeProxy spec has no desired mode (re-created?); keeping the last health gate and settings until the operator writes it"
+                        );
+                    }
+                    wish.desired = None;
+                    wish.generation = np.metadata.generation;
+                } else {
+                    *wish = Wish {
+                        desired: np.spec.desired_mode.map(|mode| Desired {
+                            mode,
+                            token: np.spec.rollout_token.clone(),
+                        }),
+                        gate: np.spec.health_gate.clone().unwrap_or_default(),
+                        probes: np
+                            .spec
+                            .health_gate
+                            .as_ref()
+                            .map(|g| g.probes.clone())
+                            .unwrap_or_default(),
+                        generation: np.metadata.generation,
+                    };
+                    *lock(&shared.proxy_settings) = np.spec.proxy.clone();
+                }
             }
             // Deleted under us: the sync loop registers it again and reports at once.
             watcher::Event::Delete(_) => shared

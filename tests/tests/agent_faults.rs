@@ -26,6 +26,8 @@ use switchyard_e2e::{
 };
 
 const WEB: &str = "10.96.0.100";
+/// A Service whose only endpoint refuses connections: a health-gate probe through it fails.
+const BROKEN: &str = "10.96.0.110";
 const LATE: &str = "10.96.0.120";
 /// How long the control plane stays down (the figure).
 const OUTAGE: Duration = Duration::from_secs(60);
@@ -128,16 +130,24 @@ async fn agents_outlive_a_control_plane_outage_and_distrust_bad_state_files() {
         .map(|n| start_server(&n.pods[0], &[8080], &[]).expect("server"))
         .collect();
     let endpoints: Vec<Ep> = nodes.iter().map(|n| Ep::ready(n.pods[0].ip, &n.name)).collect();
-    for (name, ip) in [("web", WEB)] {
+    for (name, ip, port, eps) in [
+        ("web", WEB, 8080, endpoints.clone()),
+        (
+            "broken",
+            BROKEN,
+            9,
+            vec![Ep::ready(nodes[1].pods[1].ip, &nodes[1].name)],
+        ),
+    ] {
         apply_service(
             &admin,
             name,
-            json!({"clusterIP": ip, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}),
+            json!({"clusterIP": ip, "ports": [{"name": "http", "port": 80, "targetPort": port}]}),
             None,
         )
         .await
         .expect("service");
-        apply_slice(&admin, name, &[("http", 8080, "TCP")], &endpoints)
+        apply_slice(&admin, name, &[("http", port, "TCP")], &eps)
             .await
             .expect("slice");
     }
@@ -381,4 +391,85 @@ async fn agents_outlive_a_control_plane_outage_and_distrust_bad_state_files() {
         );
         assert_eq!(failed(&outcomes), 0, "{case}: connections failed");
     }
+
+    // --- The NodeProxy deleted mid-switch: re-created with an empty spec, the switch keeps its
+    // own health gate (a failing probe, 8 rounds) instead of the defaults, and rolls back. ---
+    let node = &nodes[1];
+    let spec = json!({
+        "apiVersion": "switchyard.dev/v1alpha1", "kind": "NodeProxy", "metadata": {"name": node.name},
+        "spec": {"desiredMode": "iptables", "rolloutToken": "gated",
+                 "healthGate": {"minHealthySeconds": 30, "timeoutSeconds": 90, "failureThreshold": 8,
+                                "probes": [{"namespace": "default", "name": "broken"}]}},
+    });
+    proxies
+        .patch(
+            &node.name,
+            &kube::api::PatchParams::apply("switchyard-operator").force(),
+            &kube::api::Patch::Apply(&spec),
+        )
+        .await
+        .expect("NodeProxy spec");
+    let limit = Duration::from_secs(60);
+    let start = Instant::now();
+    loop {
+        let phase = proxies
+            .get(&node.name)
+            .await
+            .ok()
+            .and_then(|np| np.status)
+            .and_then(|s| s.phase);
+        if phase == Some(switchyard_crds::v1alpha1::SwitchPhase::Verifying) {
+            break;
+        }
+        assert!(start.elapsed() < limit, "{}: never reached Verifying", node.name);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    proxies
+        .delete(&node.name, &Default::default())
+        .await
+        .expect("delete the NodeProxy mid-switch");
+    let start = Instant::now();
+    let last = loop {
+        let last = proxies
+            .get(&node.name)
+            .await
+            .ok()
+            .and_then(|np| np.status)
+            .and_then(|s| s.last_switch)
+            .filter(|l| l.rollout_token.as_deref() == Some("gated"));
+        if let Some(l) = last {
+            break l;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "{}: the switch never ended after the NodeProxy was re-created:\n{}",
+            node.name,
+            agent_of(&mut env, node).log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!(
+        "NodeProxy deleted mid-switch: {} ({:?})",
+        last.result, last.reason
+    );
+    assert_eq!(
+        last.result,
+        "RolledBack",
+        "{}: {:?}\n{}",
+        node.name,
+        last.reason,
+        agent_of(&mut env, node).log_text()
+    );
+    assert!(
+        last.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("8 consecutive")),
+        "the switch's own gate decided: {:?}",
+        last.reason
+    );
+    assert_eq!(
+        kernel::ours(&node.netns).expect("listing"),
+        (true, false),
+        "one backend: nftables"
+    );
 }
