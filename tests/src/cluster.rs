@@ -120,22 +120,32 @@ impl KubeletCluster {
         cluster
             .timings
             .push(("control plane and namespaces", t0.elapsed()));
+        if let Err(e) = cluster.bring_up(&egress_socket, pid, seq, t0).await {
+            cluster.keep_logs();
+            return Err(e);
+        }
+        Ok(cluster)
+    }
+
+    /// Everything after the control plane and the namespaces: egress proxy, controllers, Nodes,
+    /// runtimes and kubelets, and the wait for Ready.
+    async fn bring_up(&mut self, egress_socket: &Path, pid: u32, seq: u32, t0: Instant) -> Result<()> {
         let t1 = Instant::now();
-        cluster.egress = Some(EgressProxy::start(&egress_socket, &cluster.net.fabric)?);
-        cluster.start_controllers()?;
-        let client = cluster.cp.admin_client().await?;
-        for node in &cluster.net.nodes {
+        self.egress = Some(EgressProxy::start(egress_socket, &self.net.fabric)?);
+        self.start_controllers()?;
+        let client = self.cp.admin_client().await?;
+        for node in &self.net.nodes {
             create_node(&client, node).await?;
         }
-        let pause = images::pause_image(&cluster.dir)?;
-        let specs: Vec<(netns::Node, PathBuf, String)> = cluster
+        let pause = images::pause_image(&self.dir)?;
+        let specs: Vec<(netns::Node, PathBuf, String)> = self
             .net
             .nodes
             .iter()
             .map(|n| {
                 (
                     n.clone(),
-                    cluster.dir.join(&n.name),
+                    self.dir.join(&n.name),
                     format!("{}{pid}x{seq}-{}", sweep::PREFIX, n.name),
                 )
             })
@@ -145,7 +155,7 @@ impl KubeletCluster {
             let handles: Vec<_> = specs
                 .into_iter()
                 .map(|(node, dir, cgroup)| {
-                    let cp = &cluster.cp;
+                    let cp = &self.cp;
                     let pause = &pause;
                     s.spawn(move || -> Result<KubeletNode> {
                         let mut k = KubeletNode::start_runtime(cp, &node, dir, cgroup)?;
@@ -166,7 +176,7 @@ impl KubeletCluster {
         let mut first_error = None;
         for r in started {
             match r {
-                Ok(node) => cluster.nodes.push(node),
+                Ok(node) => self.nodes.push(node),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -175,17 +185,16 @@ impl KubeletCluster {
         if let Some(e) = first_error {
             return Err(e);
         }
-        cluster
-            .timings
+        self.timings
             .push(("containerd up, sandbox image in, kubelets started", t1.elapsed()));
         let t2 = Instant::now();
-        cluster.wait_nodes_ready(Duration::from_secs(120)).await?;
-        cluster.timings.push(("nodes Ready and untainted", t2.elapsed()));
-        cluster.timings.push(("total", t0.elapsed()));
-        for (phase, took) in &cluster.timings {
+        self.wait_nodes_ready(Duration::from_secs(120)).await?;
+        self.timings.push(("nodes Ready and untainted", t2.elapsed()));
+        self.timings.push(("total", t0.elapsed()));
+        for (phase, took) in &self.timings {
             eprintln!("[kubelet cluster] {phase}: {:.1} s", took.as_secs_f64());
         }
-        Ok(cluster)
+        Ok(())
     }
 
     fn start_controllers(&mut self) -> Result<()> {
