@@ -2,11 +2,12 @@
 //! `scripts/build-control-plane.sh` into a cache outside git) and the workspace's own binaries.
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::OnceLock,
+    sync::{Mutex, OnceLock},
 };
 
-use crate::{Error, Result};
+use crate::{Error, Result, sweep};
 
 /// Root of the workspace.
 pub fn workspace_root() -> PathBuf {
@@ -52,11 +53,33 @@ pub fn workspace_bin(name: &str) -> Result<PathBuf> {
     };
     let path = target.join(profile).join(name);
     if path.is_file() {
-        Ok(path)
+        Ok(pinned(name, &path))
     } else {
         Err(Error::Prerequisite(format!(
             "{} is missing: run `cargo build --workspace --bins` first (the test script does)",
             path.display()
         )))
     }
+}
+
+/// The binary at `path` as it was when this test process first asked for `name`: a hard link in
+/// `$TMPDIR/swyt-<pid>-bin/` (swept with the run's other leftovers once the process is gone). A
+/// `cargo build` during the run replaces `target/debug/<name>` with a new file and leaves the
+/// linked one alone, so one test never runs, say, an agent killed mid-switch and its successor
+/// from two different builds. Falls back to `path` where no hard link can be made.
+fn pinned(name: &str, path: &Path) -> PathBuf {
+    static PINNED: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut pinned = PINNED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = pinned.get(name) {
+        return p.clone();
+    }
+    let dir = std::env::temp_dir().join(format!("{}-{}-bin", sweep::PREFIX, std::process::id()));
+    let link = dir.join(name);
+    let made = std::fs::create_dir_all(&dir).and_then(|()| {
+        let _ = std::fs::remove_file(&link);
+        std::fs::hard_link(path, &link)
+    });
+    let p = if made.is_ok() { link } else { path.to_path_buf() };
+    pinned.insert(name.to_owned(), p.clone());
+    p
 }
