@@ -226,6 +226,8 @@ async fn release_ungoverned(ctx: &Context) {
         .map(|np| (np.name_any(), np))
         .collect();
     let mut released: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    // One answer per policy and pass (a deleted policy may have released thousands of nodes).
+    let mut verdicts: BTreeMap<(Option<String>, bool), Option<String>> = BTreeMap::new();
     for r in &releases {
         let Some(np) = cached.get(&r.node) else {
             continue;
@@ -237,10 +239,21 @@ async fn release_ungoverned(ctx: &Context) {
                 .get(RELEASED_ANNOTATION)
                 .cloned()
                 .unwrap_or_default(),
-            Some(_) => match why_released(ctx, r).await {
-                Some(why) => lifecycle::describe(r, &why),
-                None => continue,
-            },
+            Some(p) => {
+                let key = (p.uid.clone(), r.policy_exists);
+                let verdict = match verdicts.get(&key) {
+                    Some(v) => v.clone(),
+                    None => {
+                        let v = why_released(ctx, r).await;
+                        verdicts.insert(key, v.clone());
+                        v
+                    }
+                };
+                match verdict {
+                    Some(why) => lifecycle::describe(r, &why),
+                    None => continue,
+                }
+            }
         };
         let annotations = json!({RELEASED_ANNOTATION: annotation});
         match apply_spec(ctx, &r.node, &r.node_uid, json!({}), annotations, &r.spec).await {
