@@ -1,7 +1,7 @@
 //! The fleet pass of a leader term: what no single policy's reconcile sees.
 //!
 //! - **Released nodes**: NodeProxies whose policy was deleted, or whose policy no longer selects
-//!   them, are released as [`planner::lifecycle`] documents (they keep their current mode, the spec
+//!   them, are released as [`crate::planner::lifecycle`] documents (they keep their current mode, the spec
 //!   stops naming the policy, an annotation and an Event say so). A policy missing from the cache is
 //!   confirmed gone with a GET before anything is released (the cache may lag a new policy).
 //! - **Re-created NodeProxies**: a NodeProxy deleted and re-created (its agent registers it again

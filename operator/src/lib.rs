@@ -20,6 +20,10 @@
 //!   no switch was needed); **failed** when `lastSwitch.rolloutToken == rolloutToken` and the result is
 //!   `RolledBack` or `Failed`; **switching** otherwise while desired ≠ active. Nodes without a status
 //!   (no agent report) and nodes not serving count against `maxUnavailable`.
+//! - **Released nodes**: a NodeProxy whose policy was deleted (or no longer selects it) stops naming
+//!   it; the node keeps the mode it runs (see [`planner::lifecycle`]), with the annotation
+//!   `switchyard.dev/released-from` and an Event `Released`. A NodeProxy re-created with an empty
+//!   spec gets the operator's last spec back (Event `SpecRestored`).
 //! - **Approval** of a wave: annotation `approve.switchyard.dev/<wave>: "<generation>"` on the
 //!   ProxyPolicy, valid only for the current `metadata.generation`.
 //!
