@@ -9,7 +9,9 @@
 //!   holder:     nsenter --net=<node netns> unshare --mount --propagation slave sh -c '...'
 //!               fakes the host-wide sysctls the kubelet insists on (it only reads them then),
 //!               puts tmpfs over /run, /var/lib and /var/log (paths containerd and the kubelet
-//!               hard-code: shim sockets, device-plugin socket, /var/log/containers), then waits
+//!               hard-code: shim sockets, device-plugin socket, /var/log/containers; and the
+//!               node's own hostPath volumes), an empty /lib/modules where the host has none,
+//!               then waits
 //!   containerd: nsenter --target <holder> --mount --net containerd --config <node>/containerd.toml
 //!   kubelet:    nsenter --target <holder> --mount --net kubelet --config <node>/kubelet.yaml ...
 //! ```
@@ -62,6 +64,13 @@ done < "$d/sysctl/wanted"
 mount -t tmpfs -o mode=755 swyt-run /run
 mount -t tmpfs -o mode=755 swyt-var-lib /var/lib
 mount -t tmpfs -o mode=755 swyt-var-log /var/log
+# A host without kernel module support has no /lib/modules, which DaemonSets (kube-proxy's, the
+# agent's) mount with type Directory: the node gets an empty one, over an overlay of /usr/lib.
+if [ ! -d /lib/modules ] && [ -L /lib ] && [ "$(readlink /lib)" = usr/lib ]; then
+  mkdir -p "$d/usr-lib/upper" "$d/usr-lib/work"
+  mount -t overlay -o "lowerdir=/usr/lib,upperdir=$d/usr-lib/upper,workdir=$d/usr-lib/work" swyt-usr-lib /usr/lib
+  mkdir /usr/lib/modules
+fi
 touch "$d/holder.ready"
 read -r _ || true
 "#;

@@ -505,3 +505,86 @@ spec:
         assert!(out.starts_with("ok server "), "client → {target}: {out}");
     }
 }
+
+/// The chart installs on kubelet nodes: the agent DaemonSet runs on every node (hostNetwork, in
+/// the node's namespace) and registers its NodeProxy, the operator Deployment runs; both reach the
+/// apiserver at the fabric address (`apiServer.host`), as on a cluster without kube-proxy.
+/// Ignored by default: it needs the archives of `scripts/build-images.sh`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the archives of scripts/build-images.sh"]
+async fn chart_installs_on_kubelet_nodes() {
+    let archives: Vec<PathBuf> = ["agent", "operator"]
+        .into_iter()
+        .map(|name| images::project_image(name).expect("image archive"))
+        .collect();
+    let mut cluster = KubeletCluster::start(3)
+        .await
+        .expect("control plane and 3 kubelet nodes");
+    for archive in &archives {
+        cluster.load_image(archive).expect("load into every node");
+    }
+    let (host, port) = cluster.apiserver_endpoint();
+    let chart = switchyard_e2e::binaries::workspace_root().join("helm/switchyard");
+    let t = Instant::now();
+    let (ok, out, err) = cluster
+        .helm(&[
+            "install",
+            "switchyard",
+            &chart.display().to_string(),
+            "--namespace",
+            "switchyard-system",
+            "--create-namespace",
+            "--set",
+            &format!("apiServer.host={host}"),
+            "--set",
+            &format!("apiServer.port={port}"),
+            "--set",
+            "agent.clusterCIDR=10.244.0.0/16",
+        ])
+        .expect("helm");
+    assert!(ok, "helm install: {out}\n{err}");
+    let agents = cluster
+        .wait_pods_ready(
+            "switchyard-system",
+            "app.kubernetes.io/component=agent",
+            3,
+            Duration::from_secs(180),
+        )
+        .await
+        .expect("the agent DaemonSet runs on every node");
+    eprintln!(
+        "[kubelet nodes] chart installed, 3 agents Ready: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let on: BTreeSet<String> = agents.iter().map(node_of).collect();
+    assert_eq!(on.len(), 3, "one agent per node: {on:?}");
+    cluster
+        .wait_pods_ready(
+            "switchyard-system",
+            "app.kubernetes.io/component=operator",
+            1,
+            Duration::from_secs(180),
+        )
+        .await
+        .expect("the operator runs");
+    eprintln!(
+        "[kubelet nodes] operator Ready: {:.1} s after install",
+        t.elapsed().as_secs_f64()
+    );
+    let admin = cluster.client().await.expect("client");
+    let proxies: Api<switchyard_crds::v1alpha1::NodeProxy> = Api::all(admin);
+    eventually(Duration::from_secs(60), "a NodeProxy per node", || {
+        let proxies = proxies.clone();
+        async move {
+            let list = proxies.list(&ListParams::default()).await.ok()?;
+            let names: BTreeSet<String> = list
+                .items
+                .iter()
+                .filter_map(|p| p.metadata.name.clone())
+                .collect();
+            (names.len() == 3).then_some(names)
+        }
+    })
+    .await
+    .expect("every agent registers its NodeProxy");
+}
