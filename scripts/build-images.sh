@@ -79,7 +79,9 @@ if [ -z "$BIN_DIR" ]; then
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   log "apt-get install ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null \
+    || { apt-get update >/dev/null && \
+         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
 fi
 
 # --- binaries -----------------------------------------------------------------------------------
