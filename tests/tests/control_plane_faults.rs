@@ -3,7 +3,8 @@
 //! protocol says, with real timestamps), so the operator's own reaction is what is measured:
 //!
 //! - etcd and kube-apiserver SIGKILLed for 60 s while a wave is switching: both operator replicas
-//!   stay up and report the outage on `/healthz`; after the restart the wave's node reports
+//!   stay up and report the outage on `/healthz` (so does a third one started during the outage);
+//!   after the restart the wave's node reports
 //!   success and the next wave must start within soak + 5 s of the API's return;
 //! - etcd and kube-apiserver SIGSTOPped for 20 s while a wave soaks (requests hang instead of
 //!   failing): the same, from SIGCONT;
@@ -209,6 +210,65 @@ fn asked(np: &NodeProxy, mode: ProxyMode) -> bool {
     np.spec.desired_mode == Some(mode) && np.spec.rollout_token.is_some()
 }
 
+/// An operator replica started while the API is down, from a kubeconfig written before; killed on
+/// drop.
+struct LateOperator {
+    child: std::process::Child,
+    port: u16,
+    log: std::path::PathBuf,
+}
+
+impl LateOperator {
+    fn spawn(kubeconfig: &std::path::Path, log: std::path::PathBuf) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let out = std::fs::File::create(&log).expect("log");
+        let child = std::process::Command::new(
+            switchyard_e2e::binaries::workspace_bin("switchyard-operator").expect("operator binary"),
+        )
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["--namespace", SYSTEM_NAMESPACE, "--identity", "op-late"])
+        .args(["--lease-duration-seconds", "6", "--lease-grace-seconds", "2"])
+        .args(["--healthz-bind-address", &format!("127.0.0.1:{port}")])
+        .env("RUST_LOG", "info")
+        .stdout(out.try_clone().expect("log"))
+        .stderr(out)
+        .spawn()
+        .expect("start operator");
+        Self { child, port, log }
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    fn healthz(&self) -> Option<String> {
+        use std::io::{Read, Write};
+        let mut s =
+            std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], self.port).into(), Duration::from_secs(2))
+                .ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(s, "GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        Some(text)
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for LateOperator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn gate() -> Value {
     json!({"minHealthySeconds": 7, "timeoutSeconds": 45, "failureThreshold": 4, "probes": [{"namespace": "default", "name": "web"}]})
 }
@@ -250,6 +310,23 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
         .await
         .expect("verifying");
 
+    // A third replica will start in the middle of the outage (its credentials are issued now).
+    let token = env
+        .cp
+        .service_account_token(SYSTEM_NAMESPACE, "switchyard-operator", None)
+        .await
+        .expect("token");
+    let late_kubeconfig = env
+        .cp
+        .write_kubeconfig(
+            "operator-late",
+            &format!("https://127.0.0.1:{}", env.cp.port),
+            switchyard_e2e::controlplane::Credential::Token(token),
+        )
+        .expect("kubeconfig");
+    let mut late: Option<LateOperator> = None;
+    let mut late_reported = false;
+
     let killed = env.cp.kill_processes().expect("kill etcd and kube-apiserver");
     println!("control plane SIGKILLed; outage of {OUTAGE:?}");
     // Observed during the outage, asserted after the measurement (which comes first).
@@ -257,6 +334,20 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     let mut exited: Vec<String> = Vec::new();
     let mut bad_codes: Vec<String> = Vec::new();
     while killed.at.elapsed() < OUTAGE {
+        if late.is_none() && killed.at.elapsed() > Duration::from_secs(10) {
+            late = Some(LateOperator::spawn(
+                &late_kubeconfig,
+                env.cp.dir().join("operator-late.log"),
+            ));
+        }
+        if let Some(l) = late.as_mut() {
+            if !l.running() && !exited.iter().any(|e| e == "op-late") {
+                exited.push("op-late".into());
+            }
+            late_reported |= l
+                .healthz()
+                .is_some_and(|t| t.contains("200 OK") && t.contains("unreachable"));
+        }
         for (i, op) in ops.iter_mut().enumerate() {
             if !op.running() && !exited.contains(&op.identity) {
                 exited.push(op.identity.clone());
@@ -298,7 +389,15 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
         reported_at.as_secs_f64(),
         SOAK_SECONDS + 5
     );
-    assert!(exited.is_empty(), "exited during the outage: {exited:?}");
+    let late_log = late.as_ref().map(LateOperator::log_text).unwrap_or_default();
+    assert!(
+        exited.is_empty(),
+        "exited during the outage: {exited:?}; the late replica's log:\n{late_log}"
+    );
+    assert!(
+        late_reported,
+        "a replica started during the outage reports it: {late_log}"
+    );
     assert!(bad_codes.is_empty(), "/healthz during the outage: {bad_codes:?}");
     assert_eq!(
         reported,
@@ -318,6 +417,14 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     for op in ops.iter_mut() {
         assert!(op.running(), "{} exited:\n{}", op.identity, op.log_text());
     }
+    let mut late = late.expect("late replica");
+    assert!(late.running(), "the late replica exited:\n{}", late.log_text());
+    eventually(Duration::from_secs(20), "late replica sees the API", || async {
+        late.healthz()
+            .filter(|t| t.contains("200 OK") && !t.contains("unreachable"))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; log:\n{}", late.log_text()));
     let holder = eventually(LIMIT, "a leader again", || lease_holder(&admin))
         .await
         .expect("leader");
