@@ -13,14 +13,23 @@
 //! Nothing addresses a private range from the root namespace: kubelets reach the apiserver through
 //! the fabric's forwarder, the apiserver reaches kubelets through the egress proxy.
 //!
-//! Usage:
+//! Usage (see `tests/tests/kubelet_nodes.rs`):
 //! ```no_run
 //! # async fn f() -> switchyard_e2e::Result<()> {
-//! let cluster = switchyard_e2e::cluster::KubeletCluster::start(3).await?;
-//! cluster.load_image(std::path::Path::new("/path/to/image.tar"))?;
+//! use std::time::Duration;
+//! use switchyard_e2e::{cluster::KubeletCluster, images};
+//! let mut cluster = KubeletCluster::start(3).await?; // Nodes Ready, ~10 s here
+//! cluster.load_image(&images::project_image("agent")?)?; // ctr import on every node
+//! let (host, port) = cluster.apiserver_endpoint(); // for the chart's apiServer.host/port
+//! cluster.helm(&["install", "switchyard", "helm/switchyard", "--set", &format!("apiServer.host={host}")])?;
 //! cluster.kubectl_ok(&["apply", "-f", "-"], Some("..."))?;
+//! let pods = cluster.wait_pods_ready("default", "app=x", 3, Duration::from_secs(120)).await?;
+//! let out = cluster.exec("default", "some-pod", &["sh", "-c", "..."], Duration::from_secs(60))?;
+//! let node = &cluster.nodes[0]; // KubeletNode: name, netns, ip, dir, crictl(), ctr(), log_tail()
 //! # Ok(()) }
 //! ```
+//! Dropping the cluster tears everything down (in about a second); while panicking it first
+//! copies every log to `$TMPDIR/switchyard-e2e-logs/<run>/`.
 
 use std::{
     fs::File,
