@@ -143,6 +143,14 @@ impl KubeletNode {
                 )));
             }
         }
+        // A unix socket path has at most 107 bytes (containerd's ttrpc socket is the longest).
+        let longest = dir.join("containerd.sock.ttrpc");
+        if longest.as_os_str().len() > 100 {
+            return Err(Error::Prerequisite(format!(
+                "{} is too long for a unix socket: set TMPDIR to a shorter directory",
+                longest.display()
+            )));
+        }
         let mut this = Self {
             name: node.name.clone(),
             netns: node.netns.clone(),
