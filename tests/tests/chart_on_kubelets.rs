@@ -482,6 +482,64 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
         );
     }
 
+    // Exactly one backend on every node: iptables (SWY chains), no nftables table.
+    for name in &names {
+        assert_eq!(
+            backends(&netns[name]),
+            (false, true),
+            "{name}: the agent programs iptables only"
+        );
+    }
+    let variants: Vec<String> = proxies
+        .list(&ListParams::default())
+        .await
+        .expect("NodeProxies")
+        .items
+        .iter()
+        .map(|np| {
+            format!(
+                "{} {:?}",
+                np.metadata.name.clone().unwrap_or_default(),
+                np.status
+                    .as_ref()
+                    .and_then(|s| s.capabilities.as_ref())
+                    .and_then(|c| c.iptables_variant.clone())
+            )
+        })
+        .collect();
+    println!("iptables variant the agents chose: {variants:?}");
+    // One operator replica leads (holds the Lease), the other stands by.
+    let operator_names: Vec<String> = operators.iter().map(name_of).collect();
+    let holder = eventually(
+        Duration::from_secs(60),
+        "the operator Lease held by a replica",
+        || {
+            let cluster = &cluster;
+            let operator_names = operator_names.clone();
+            async move {
+                let out = cluster
+                    .kubectl_ok(
+                        &[
+                            "get",
+                            "lease",
+                            "-n",
+                            SY,
+                            "switchyard-operator",
+                            "-o",
+                            "jsonpath={.spec.holderIdentity}",
+                        ],
+                        None,
+                    )
+                    .ok()?;
+                let holder = out.trim().to_owned();
+                operator_names.contains(&holder).then_some(holder)
+            }
+        },
+    )
+    .await
+    .expect("an operator pod leads");
+    println!("operator Lease holder: {holder} (replicas {operator_names:?})");
+
     // Their apiserver connection is the configured endpoint, never the kubernetes ClusterIP.
     let endpoint = format!("https://{host}:{port}");
     for (node, pod) in &agents {
@@ -657,7 +715,7 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
             "nodeSelector": {"matchLabels": {"pool": "general"}}, "mode": "nftables",
             "rollout": {"waves": [{"name": "canary", "nodes": 1, "soakSeconds": 5}, {"name": "rest", "nodes": "100%"}],
                         "maxUnavailable": 1, "failurePolicy": "pause"},
-            "healthGate": {"minHealthySeconds": 6, "timeoutSeconds": 180, "failureThreshold": 3,
+            "healthGate": {"minHealthySeconds": 10, "timeoutSeconds": 180, "failureThreshold": 3,
                            "probes": [{"namespace": DEMO, "name": "echo"}]},
         },
     });
@@ -859,6 +917,11 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
     )
     .await;
     let uninstalled_to = Timestamp::now();
+    let (code, text) = traffic::http_get(&netns["node-2"], kubernetes_svc, "/readyz").expect("swy-echo http");
+    assert_eq!(
+        code, 400,
+        "node-2's netns still reaches the kubernetes ClusterIP through the rules left behind:\n{text}"
+    );
 
     let t = Instant::now();
     let job =
