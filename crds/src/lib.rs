@@ -13,6 +13,8 @@
 #![allow(clippy::duplicated_attributes)]
 
 pub mod consts;
+pub mod schema;
+mod tolerant;
 pub mod v1alpha1;
 
 use kube::CustomResourceExt;
@@ -75,6 +77,16 @@ fn unwrap_descriptions(value: &mut serde_json::Value) {
     }
 }
 
+/// Longest ProxyPolicy name: the operator labels each NodeProxy with its policy's name, and a
+/// label value has at most 63 characters.
+pub const MAX_POLICY_NAME: usize = 63;
+
+/// The CEL rule (and its message) on the ProxyPolicy root that bounds the name.
+const POLICY_NAME_RULE: (&str, &str) = (
+    "self.metadata.name.size() <= 63",
+    "metadata.name of a ProxyPolicy must be at most 63 characters (the operator labels each NodeProxy with it); choose a shorter name",
+);
+
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -89,6 +101,12 @@ pub fn crd_yaml() -> Result<Vec<(String, String)>> {
                 source: e,
             })?;
             unwrap_descriptions(&mut value);
+            let root_rules: &[(&str, &str)] = if name.starts_with("proxypolicies.") {
+                &[POLICY_NAME_RULE]
+            } else {
+                &[]
+            };
+            schema::harden(&mut value, root_rules);
             let body = serde_yaml::to_string(&value).map_err(|source| Error::Yaml {
                 name: name.clone(),
                 source,

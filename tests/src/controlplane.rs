@@ -337,7 +337,8 @@ impl ControlPlane {
         }
     }
 
-    /// Installs the CRDs from the kustomize base `config/crd` and waits until they are established.
+    /// Installs the CRDs from the kustomize base `config/crd` (its `Kustomization`) and waits until
+    /// they are established.
     pub fn install_crds(&self) -> Result<()> {
         let dir = binaries::workspace_root().join("config/crd");
         self.kubectl_ok(

@@ -40,17 +40,17 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         (
             "zero-percent-wave",
             variant("zero-percent-wave", "nodes: 1\n", "nodes: 0%\n"),
-            r#"spec.rollout.waves[0].nodes: Invalid value: "0%": wave nodes must be a count of at least 1 or a percentage from 1% to 100%"#,
+            r#"spec.rollout.waves[0].nodes: Invalid value: "0%": wave nodes must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
         ),
         (
             "zero-count-wave",
             variant("zero-count-wave", "nodes: 1\n", "nodes: 0\n"),
-            r#"spec.rollout.waves[0].nodes: Invalid value: 0: wave nodes must be a count of at least 1 or a percentage from 1% to 100%"#,
+            r#"spec.rollout.waves[0].nodes: Invalid value: 0: wave nodes must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
         ),
         (
             "percent-over-100",
             variant("percent-over-100", "nodes: 100%", "nodes: 150%"),
-            r#"spec.rollout.waves[1].nodes: Invalid value: "150%": wave nodes must be a count of at least 1 or a percentage from 1% to 100%"#,
+            r#"spec.rollout.waves[1].nodes: Invalid value: "150%": wave nodes must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
         ),
         (
             "max-unavailable-zero",
@@ -59,7 +59,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 "  rollout:\n",
                 "  rollout:\n    maxUnavailable: 0\n",
             ),
-            r#"spec.rollout.maxUnavailable: Invalid value: 0: rollout.maxUnavailable must be a count of at least 1 or a percentage from 1% to 100%"#,
+            r#"spec.rollout.maxUnavailable: Invalid value: 0: rollout.maxUnavailable must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
         ),
         (
             "max-unavailable-bad-percent",
@@ -68,7 +68,99 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 "  rollout:\n",
                 "  rollout:\n    maxUnavailable: \"ten%\"\n",
             ),
-            r#"spec.rollout.maxUnavailable: Invalid value: "ten%": rollout.maxUnavailable must be a count of at least 1 or a percentage from 1% to 100%"#,
+            r#"spec.rollout.maxUnavailable: Invalid value: "ten%": rollout.maxUnavailable must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
+        ),
+        (
+            "max-unavailable-int32-overflow",
+            variant(
+                "max-unavailable-int32-overflow",
+                "  rollout:\n",
+                "  rollout:\n    maxUnavailable: 2147483648\n",
+            ),
+            r#"spec.rollout.maxUnavailable: Invalid value: 2147483648: rollout.maxUnavailable must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
+        ),
+        (
+            "max-unavailable-fraction",
+            variant(
+                "max-unavailable-fraction",
+                "  rollout:\n",
+                "  rollout:\n    maxUnavailable: \"50.5%\"\n",
+            ),
+            r#"spec.rollout.maxUnavailable: Invalid value: "50.5%": rollout.maxUnavailable must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
+        ),
+        (
+            "wave-nodes-huge",
+            variant("wave-nodes-huge", "nodes: 1\n", "nodes: 3000000000\n"),
+            r#"spec.rollout.waves[0].nodes: Invalid value: 3000000000: wave nodes must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"#,
+        ),
+        (
+            "wave-selector-gt",
+            variant(
+                "wave-selector-gt",
+                "nodes: 1\n",
+                "nodeSelector:\n        matchExpressions:\n        - key: zone\n          operator: Gt\n          values: [\"1\"]\n",
+            ),
+            r#"spec.rollout.waves[0].nodeSelector: Invalid value: matchExpressions[].operator must be one of In, NotIn, Exists, DoesNotExist (case-sensitive)"#,
+        ),
+        (
+            "wave-selector-in-without-values",
+            variant(
+                "wave-selector-in-without-values",
+                "nodes: 1\n",
+                "nodeSelector:\n        matchExpressions:\n        - key: zone\n          operator: In\n",
+            ),
+            r#"spec.rollout.waves[0].nodeSelector: Invalid value: matchExpressions[]: In and NotIn need at least one value in values; Exists and DoesNotExist must have no values"#,
+        ),
+        (
+            "bad-label-key",
+            variant("bad-label-key", "      pool: general\n", "      \"pool name\": general\n"),
+            r#"spec.nodeSelector: Invalid value: matchLabels keys must be label keys"#,
+        ),
+        (
+            "bad-label-value",
+            variant("bad-label-value", "      pool: general\n", "      pool: \"-general\"\n"),
+            r#"spec.nodeSelector: Invalid value: matchLabels values must be label values"#,
+        ),
+        (
+            "localhost-nodeports-ipvs",
+            variant(
+                "localhost-nodeports-ipvs",
+                "mode: nftables\n",
+                "mode: ipvs\n  proxy:\n    localhostNodePorts: true\n",
+            ),
+            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables mode only"#,
+        ),
+        (
+            "localhost-nodeports-nft-fallback",
+            variant(
+                "localhost-nodeports-nft-fallback",
+                "mode: nftables\n",
+                "mode: iptables\n  fallback: nftables\n  proxy:\n    localhostNodePorts: true\n",
+            ),
+            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables mode only"#,
+        ),
+        (
+            "primary-with-cidr",
+            variant(
+                "primary-with-cidr",
+                "mode: nftables\n",
+                "mode: nftables\n  proxy:\n    nodePortAddresses: [primary, 10.0.0.0/8]\n",
+            ),
+            r#"spec.proxy.nodePortAddresses: Invalid value: proxy.nodePortAddresses: 'primary' cannot be combined with CIDRs"#,
+        ),
+        (
+            "bad-probe-name",
+            variant(
+                "bad-probe-name",
+                "mode: nftables\n",
+                "mode: nftables\n  healthGate:\n    probes:\n    - namespace: default\n      name: My_Service\n",
+            ),
+            r#"spec.healthGate.probes[0].name: Invalid value: "My_Service": probe name must be a Service name"#,
+        ),
+        (
+            "name-64-characters-long-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            BASE.replace("NAME", "name-64-characters-long-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"),
+            r#"metadata.name of a ProxyPolicy must be at most 63 characters"#,
         ),
         (
             "duplicate-wave-names",
@@ -82,7 +174,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 "    matchLabels:\n      pool: general\n",
                 "    matchExpressions:\n    - key: pool\n      operator: Like\n      values: [general]\n",
             ),
-            r#"spec.nodeSelector: Invalid value: nodeSelector.matchExpressions operator must be one of In, NotIn, Exists, DoesNotExist"#,
+            r#"spec.nodeSelector: Invalid value: matchExpressions[].operator must be one of In, NotIn, Exists, DoesNotExist (case-sensitive)"#,
         ),
         (
             "selector-in-without-values",
@@ -91,7 +183,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 "    matchLabels:\n      pool: general\n",
                 "    matchExpressions:\n    - key: pool\n      operator: In\n",
             ),
-            r#"spec.nodeSelector: Invalid value: nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist must have none"#,
+            r#"spec.nodeSelector: Invalid value: matchExpressions[]: In and NotIn need at least one value in values; Exists and DoesNotExist must have no values"#,
         ),
         (
             "negative-soak",
@@ -133,7 +225,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 waves,
                 &format!("{waves}  proxy:\n    localhostNodePorts: true\n"),
             ),
-            r#"spec: Invalid value: proxy.localhostNodePorts is not supported in nftables mode"#,
+            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables mode only: set spec.mode to iptables (with no fallback, or fallback skip) or remove proxy.localhostNodePorts"#,
         ),
         (
             "min-sync-above-sync",
@@ -246,6 +338,16 @@ async fn crds_install_validate_print_and_explain() {
         .kubectl_ok(&["get", "proxypolicy", "minimal", "-o", "jsonpath={.spec.rollout.maxUnavailable} {.spec.rollout.failurePolicy} {.spec.healthGate.timeoutSeconds}"], None)
         .expect("get minimal");
     assert_eq!(defaults, "1 pause 300");
+
+    // A null is "not set": `fallback: null` is accepted, `maxUnavailable: null` gets the default.
+    let nulls = variant("nulls", "mode: nftables\n", "mode: nftables\n  fallback: null\n")
+        .replace("  rollout:\n", "  rollout:\n    maxUnavailable: null\n");
+    cp.kubectl_ok(&["create", "-f", "-"], Some(&nulls))
+        .expect("a policy with null fields is accepted");
+    let stored = cp
+        .kubectl_ok(&["get", "proxypolicy", "nulls", "-o", "jsonpath={.spec.rollout.maxUnavailable}|{.spec.fallback}"], None)
+        .expect("get nulls");
+    assert_eq!(stored, "1|");
 
     // Every invalid policy is rejected with its exact message, and nothing is stored.
     let cases = invalid_cases();

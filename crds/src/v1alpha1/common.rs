@@ -84,6 +84,7 @@ pub struct ProxySettings {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16), inner(length(max = 43)))]
     #[x_kube(validation = Rule::new("self.all(a, a == 'primary' || isCIDR(a))").message("proxy.nodePortAddresses entries must be CIDRs or 'primary'"))]
+    #[x_kube(validation = Rule::new("!self.exists(a, a == 'primary') || self.size() == 1").message("proxy.nodePortAddresses: 'primary' cannot be combined with CIDRs; list either 'primary' alone or only CIDRs"))]
     pub node_port_addresses: Vec<String>,
 
     /// Masquerade (SNAT) all traffic to Service addresses, not only traffic that needs it.
@@ -193,10 +194,12 @@ pub struct IpvsSettings {
 pub struct ProbeTarget {
     /// Namespace of the Service(s).
     #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("probe namespace must be a namespace name: lowercase letters, digits and '-', starting and ending with a letter or digit"))]
     pub namespace: String,
     /// Name of one Service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("probe name must be a Service name: lowercase letters, digits and '-', starting with a letter and ending with a letter or digit"))]
     pub name: Option<String>,
     /// Label selector choosing Services in the namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]

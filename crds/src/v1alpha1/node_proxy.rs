@@ -183,6 +183,7 @@ pub struct SwitchResult {
     /// Mode requested.
     pub to: ProxyMode,
     /// `Succeeded`, `RolledBack` or `Failed`.
+    #[schemars(extend("enum" = ["Succeeded", "RolledBack", "Failed"]))]
     pub result: String,
     /// Why, in words a person can act on.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -60,14 +60,12 @@ use super::{HealthGate, ProxyMode, ProxySettings};
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[x_kube(validation = Rule::new("!has(self.fallback) || self.fallback != self.mode").message("spec.fallback must differ from spec.mode (use 'skip' to leave incompatible nodes alone)"))]
-#[x_kube(validation = Rule::new("self.mode != 'nftables' || !has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts").message("proxy.localhostNodePorts is not supported in nftables mode"))]
+#[x_kube(validation = Rule::new("!has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts || (self.mode == 'iptables' && (!has(self.fallback) || self.fallback == 'skip'))").message("proxy.localhostNodePorts works in iptables mode only: set spec.mode to iptables (with no fallback, or fallback skip) or remove proxy.localhostNodePorts"))]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyPolicySpec {
     /// Nodes governed by this policy. An empty selector selects every node. Where policies overlap,
     /// the one with the higher priority governs the node (ties: the alphabetically first name); the
     /// others report a Conflict condition.
-    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])").message("nodeSelector.matchExpressions operator must be one of In, NotIn, Exists, DoesNotExist"))]
-    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn'] ? has(e.values) && size(e.values) > 0 : !(e.operator in ['Exists', 'DoesNotExist']) || !has(e.values) || size(e.values) == 0)").message("nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist must have none"))]
     pub node_selector: LabelSelector,
 
     /// Priority where policies overlap: higher wins. Default 0.
@@ -138,8 +136,9 @@ pub struct Rollout {
     /// Nodes that may be switching or unhealthy at once: a count, or a percent of the pool (rounded
     /// down, at least 1). Default 1.
     #[serde(default = "default_max_unavailable")]
-    #[schemars(extend("maxLength" = 4))]
-    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^([1-9][0-9]?|100)%$')").message("rollout.maxUnavailable must be a count of at least 1 or a percentage from 1% to 100%"))]
+    #[serde(deserialize_with = "crate::tolerant::int_or_string_or_default_one")]
+    #[schemars(extend("maxLength" = 16))]
+    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 && self <= 100000 : self.matches('^([1-9][0-9]?|100)%$')").message("rollout.maxUnavailable must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"))]
     pub max_unavailable: IntOrString,
 
     /// Stop starting new switches. The plan is still computed and shown in status (dry run).
@@ -191,8 +190,9 @@ pub struct Wave {
 
     /// How many nodes of the pool this wave takes: a count, or a percent of the pool (rounded up).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("maxLength" = 4))]
-    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^([1-9][0-9]?|100)%$')").message("wave nodes must be a count of at least 1 or a percentage from 1% to 100%"))]
+    #[serde(deserialize_with = "crate::tolerant::opt_int_or_string")]
+    #[schemars(extend("maxLength" = 16))]
+    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 && self <= 100000 : self.matches('^([1-9][0-9]?|100)%$')").message("wave nodes must be a count from 1 to 100000 or a whole percentage from 1% to 100% (e.g. 25%)"))]
     pub nodes: Option<IntOrString>,
 
     /// Nodes this wave takes first (an explicit canary). Without `nodes`, the wave takes every
