@@ -9,4 +9,5 @@ export SWITCHYARD_K8S_BIN=$(scripts/build-control-plane.sh)
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --workspace --bins --locked
+scripts/build-images.sh
 cargo test --workspace --locked --no-fail-fast
