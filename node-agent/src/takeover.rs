@@ -1,7 +1,8 @@
 //! `--takeover-kube-proxy`: once Switchyard serves a node, remove what kube-proxy left behind
 //! (kube-proxy never deletes its rules on exit, KEP-2448): its nftables tables and its iptables
-//! chains, in both iptables variants and both IP families. Chains kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`,
-//! `KUBE-MARK-DROP`) are kept, as kube-proxy's own cleanup keeps them.
+//! chains, in both iptables variants and both IP families, in tables filter, nat and mangle. Chains
+//! kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`, `KUBE-IPTABLES-HINT`, `KUBE-MARK-DROP`)
+//! are kept, as kube-proxy's own cleanup keeps them.
 
 use crate::{
     model::IpFamily,
@@ -85,7 +86,10 @@ pub fn takeover() -> (Vec<String>, Vec<String>) {
     {
         let ipt = Iptables::new(variant, None).for_family(family);
         let tool = ipt.binary("iptables");
-        for (table, name) in [(Table::Filter, "filter"), (Table::Nat, "nat")] {
+        // kube-proxy's canary (`KUBE-PROXY-CANARY`) is in mangle too. Reading a table never creates
+        // it (`Iptables::save`), so a node without legacy tables keeps none.
+        for table in [Table::Filter, Table::Nat, Table::Mangle] {
+            let name = table.as_str();
             let save = match ipt.save(table) {
                 Ok(s) => s,
                 Err(_) => continue, // variant or table unusable here: nothing of kube-proxy's to remove
@@ -125,5 +129,22 @@ mod tests {
             ),
             ""
         );
+    }
+
+    #[test]
+    fn removal_in_mangle_takes_kube_proxys_canary_and_keeps_kubelets_markers() {
+        let save = "*mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-IPTABLES-HINT - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n";
+        assert_eq!(
+            removal_input("mangle", save),
+            "*mangle\n:KUBE-PROXY-CANARY - [0:0]\n-X KUBE-PROXY-CANARY\nCOMMIT\n"
+        );
+        for kubelet in [
+            "KUBE-IPTABLES-HINT",
+            "KUBE-KUBELET-CANARY",
+            "KUBE-FIREWALL",
+            "KUBE-MARK-DROP",
+        ] {
+            assert!(!is_kube_proxy_chain(kubelet), "{kubelet} is kubelet's");
+        }
     }
 }

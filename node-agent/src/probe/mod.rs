@@ -4,7 +4,10 @@
 
 use switchyard_crds::v1alpha1::{Capabilities, Capability, ConntrackFacts, ProxyMode};
 
-use crate::sys;
+use crate::sys::{
+    self,
+    iptables::{Iptables, Table, Variant},
+};
 
 /// Oldest kernel on which nftables mode is supported (kube-proxy's requirement).
 pub const NFTABLES_MIN_KERNEL: KernelVersion = KernelVersion(5, 13, 0);
@@ -41,10 +44,16 @@ pub struct HostFacts {
     pub kernel_release: String,
     /// Result of creating and deleting a throwaway nf_tables table: `Ok` or the kernel's refusal.
     pub nf_tables: Result<(), String>,
-    /// `iptables-legacy -t nat -S` worked (`Ok(rule lines)`) or why not.
+    /// The legacy tools run (`Ok(rules in table nat)`, 0 when the namespace has no legacy nat
+    /// table, which the probe never creates) or why not.
     pub iptables_legacy: Result<usize, String>,
-    /// `iptables-nft -t nat -S` worked (`Ok(rule lines)`) or why not.
+    /// `iptables-nft-save -t nat` worked (`Ok(rules)`) or why not.
     pub iptables_nft: Result<usize, String>,
+    /// kubelet's marker chains (`KUBE-IPTABLES-HINT`, `KUBE-KUBELET-CANARY`) are in the legacy
+    /// `mangle` table.
+    pub kubelet_chains_legacy: bool,
+    /// The same in the nft variant's `mangle` table.
+    pub kubelet_chains_nft: bool,
     /// Generic netlink family `IPVS` resolved, or why not.
     pub ipvs_family: Result<u16, String>,
     /// Module names seen for IPVS schedulers (`ip_vs_rr.ko`, `ip_vs_sh`, ...).
@@ -66,12 +75,16 @@ impl HostFacts {
             Err(e) => Err(e.to_string()),
         };
         let ipvs_family = sys::genl::resolve_family("IPVS").unwrap_or_else(|e| Err(e.to_string()));
+        let (iptables_legacy, kubelet_chains_legacy) = iptables_facts(Variant::Legacy);
+        let (iptables_nft, kubelet_chains_nft) = iptables_facts(Variant::Nft);
         Self {
             ipvs_modules: sys::host::ipvs_scheduler_modules(&kernel_release),
             kernel_release,
             nf_tables,
-            iptables_legacy: iptables_rules("iptables-legacy"),
-            iptables_nft: iptables_rules("iptables-nft"),
+            iptables_legacy,
+            iptables_nft,
+            kubelet_chains_legacy,
+            kubelet_chains_nft,
             ipvs_family,
             ipset: command_ok("ipset", &["list", "-n"]),
             conntrack: ConntrackFacts {
@@ -87,16 +100,38 @@ impl HostFacts {
     }
 }
 
-fn iptables_rules(program: &str) -> Result<usize, String> {
-    let out = sys::exec::run(program, &["-w", "5", "-t", "nat", "-S"])?;
-    if out.success {
-        Ok(out.stdout.lines().filter(|l| l.starts_with("-A ")).count())
-    } else {
-        Err(format!(
-            "{program}: {}",
-            out.stderr.lines().next().unwrap_or("failed")
-        ))
+/// kubelet's marker chains in table `mangle`, which iptables-wrapper looks for to tell which
+/// variant the node uses.
+pub const KUBELET_MARKER_CHAINS: [&str; 2] = ["KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY"];
+
+/// One variant's facts: its nat rule count (or why its tools fail), and whether kubelet's marker
+/// chains are in its mangle table. Only reads: no table is created (see [`Iptables::save`]).
+fn iptables_facts(variant: Variant) -> (Result<usize, String>, bool) {
+    let ipt = Iptables::new(variant, None);
+    let first_line = |e: sys::iptables::IptablesError| {
+        let detail = e.detail();
+        format!(
+            "{}: {}",
+            ipt.binary("iptables"),
+            detail.lines().next().unwrap_or("failed")
+        )
+    };
+    if let Err(e) = ipt.tools_run() {
+        return (Err(first_line(e)), false);
     }
+    let rules = ipt
+        .save(Table::Nat)
+        .map(|s| s.lines().filter(|l| l.starts_with("-A ")).count())
+        .map_err(first_line);
+    let marked = ipt.save(Table::Mangle).is_ok_and(|s| has_kubelet_chains(&s));
+    (rules, marked)
+}
+
+/// Whether an `iptables-save` text declares one of [`KUBELET_MARKER_CHAINS`].
+pub fn has_kubelet_chains(save: &str) -> bool {
+    save.lines()
+        .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
+        .any(|c| KUBELET_MARKER_CHAINS.contains(&c))
 }
 
 fn command_ok(program: &str, args: &[&str]) -> Result<(), String> {
@@ -124,14 +159,18 @@ fn capability<T>(fact: &Result<T, String>, detail: impl FnOnce(&T) -> Option<Str
     }
 }
 
-/// Decides the iptables variant: the one already holding more nat rules (so we join whatever the
-/// node's other users program, as iptables-wrapper does); on a tie legacy, which restores large
-/// rulesets an order of magnitude faster.
-pub fn iptables_variant(legacy: &Result<usize, String>, nft: &Result<usize, String>) -> Option<&'static str> {
+/// Decides the iptables variant as iptables-wrapper (which picks kube-proxy's) does, so our rules
+/// live in the backend kubelet's and the CNI's do: the variant whose `mangle` table holds kubelet's
+/// marker chains, nft first, then legacy; without markers the one already holding more nat rules;
+/// on a tie (an empty node included) nft.
+pub fn iptables_variant(facts: &HostFacts) -> Option<&'static str> {
+    let (legacy, nft) = (&facts.iptables_legacy, &facts.iptables_nft);
     match (legacy, nft) {
-        (Ok(l), Ok(n)) if n > l => Some("nft"),
-        (Ok(_), _) => Some("legacy"),
-        (Err(_), Ok(_)) => Some("nft"),
+        (_, Ok(_)) if facts.kubelet_chains_nft => Some("nft"),
+        (Ok(_), _) if facts.kubelet_chains_legacy => Some("legacy"),
+        (Ok(l), Ok(n)) if l > n => Some("legacy"),
+        (_, Ok(_)) => Some("nft"),
+        (Ok(_), Err(_)) => Some("legacy"),
         (Err(_), Err(_)) => None,
     }
 }
@@ -162,7 +201,7 @@ pub fn decide(facts: &HostFacts) -> Capabilities {
     };
     let iptables_legacy = capability(&facts.iptables_legacy, |n| Some(format!("{n} nat rules present")));
     let iptables_nft = capability(&facts.iptables_nft, |n| Some(format!("{n} nat rules present")));
-    let iptables_variant = iptables_variant(&facts.iptables_legacy, &facts.iptables_nft);
+    let iptables_variant = iptables_variant(facts);
     let ipvs = capability(&facts.ipvs_family, |id| Some(format!("genetlink family id {id}")));
     let ipset = capability(&facts.ipset, |_| None);
     let ipvs_schedulers: Vec<String> = if ipvs.usable {

@@ -8,6 +8,8 @@ fn facts() -> HostFacts {
         nf_tables: Ok(()),
         iptables_legacy: Ok(0),
         iptables_nft: Ok(0),
+        kubelet_chains_legacy: false,
+        kubelet_chains_nft: false,
         ipvs_family: Err("generic netlink family IPVS: No such file or directory".into()),
         ipvs_modules: vec![],
         ipset: Ok(()),
@@ -103,20 +105,47 @@ fn ipvs_mode_needs_family_ipset_iptables_and_a_scheduler() {
 }
 
 #[test]
-fn iptables_variant_follows_existing_rules_then_prefers_legacy() {
+fn iptables_variant_follows_kubelets_markers_then_rules_then_prefers_nft() {
     let err = || Err::<usize, String>("missing".into());
-    // (legacy rule count, nft rule count, chosen variant)
-    type Case<'a> = (Result<usize, String>, Result<usize, String>, Option<&'a str>);
+    // (legacy rule count, nft rule count, kubelet's chains in legacy, in nft, chosen variant)
+    type Case<'a> = (
+        Result<usize, String>,
+        Result<usize, String>,
+        bool,
+        bool,
+        Option<&'a str>,
+    );
     let cases: &[Case] = &[
-        (Ok(0), Ok(0), Some("legacy")),
-        (Ok(3), Ok(40), Some("nft")),
-        (Ok(40), Ok(3), Some("legacy")),
-        (err(), Ok(0), Some("nft")),
-        (Ok(0), err(), Some("legacy")),
-        (err(), err(), None),
+        // No markers: more rules win, a tie (the empty node) is nft, as iptables-wrapper.
+        (Ok(0), Ok(0), false, false, Some("nft")),
+        (Ok(3), Ok(40), false, false, Some("nft")),
+        (Ok(40), Ok(3), false, false, Some("legacy")),
+        (Ok(5), Ok(5), false, false, Some("nft")),
+        // kubelet's markers decide before rule counts: nft first, then legacy.
+        (Ok(40), Ok(0), false, true, Some("nft")),
+        (Ok(0), Ok(40), true, false, Some("legacy")),
+        (Ok(40), Ok(40), true, true, Some("nft")),
+        // A marker in a variant whose tools fail does not count.
+        (Ok(0), err(), false, true, Some("legacy")),
+        (err(), Ok(0), true, false, Some("nft")),
+        (err(), Ok(0), false, false, Some("nft")),
+        (Ok(0), err(), false, false, Some("legacy")),
+        (err(), err(), true, true, None),
     ];
-    for (legacy, nft, want) in cases {
-        assert_eq!(iptables_variant(legacy, nft), *want, "{legacy:?} {nft:?}");
+    for (legacy, nft, marked_legacy, marked_nft, want) in cases {
+        let f = HostFacts {
+            iptables_legacy: legacy.clone(),
+            iptables_nft: nft.clone(),
+            kubelet_chains_legacy: *marked_legacy,
+            kubelet_chains_nft: *marked_nft,
+            ..facts()
+        };
+        assert_eq!(
+            iptables_variant(&f),
+            *want,
+            "{legacy:?} {nft:?} {marked_legacy} {marked_nft}"
+        );
+        assert_eq!(decide(&f).iptables_variant.as_deref(), *want);
     }
     let none = decide(&HostFacts {
         iptables_legacy: err(),
@@ -124,4 +153,21 @@ fn iptables_variant_follows_existing_rules_then_prefers_legacy() {
         ..facts()
     });
     assert!(!none.supported_modes.contains(&ProxyMode::Iptables));
+}
+
+#[test]
+fn kubelet_marker_chains_are_read_from_chain_declarations() {
+    let kubelet = "*mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-IPTABLES-HINT - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n";
+    assert!(has_kubelet_chains(kubelet));
+    assert!(has_kubelet_chains(
+        "*mangle\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n"
+    ));
+    // kube-proxy's canary, or a rule mentioning the name, is no marker.
+    assert!(!has_kubelet_chains(
+        "*mangle\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n"
+    ));
+    assert!(!has_kubelet_chains(
+        "*mangle\n-A X -m comment --comment KUBE-IPTABLES-HINT -j RETURN\n"
+    ));
+    assert!(!has_kubelet_chains(""));
 }

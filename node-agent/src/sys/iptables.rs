@@ -62,6 +62,8 @@ pub enum Table {
     Filter,
     /// `nat`.
     Nat,
+    /// `mangle` (kube-proxy's and kubelet's canary chains; read, never written by our backends).
+    Mangle,
 }
 
 impl Table {
@@ -70,6 +72,7 @@ impl Table {
         match self {
             Table::Filter => "filter",
             Table::Nat => "nat",
+            Table::Mangle => "mangle",
         }
     }
 }
@@ -253,10 +256,55 @@ impl Iptables {
         }
     }
 
-    /// `iptables-save -t TABLE`.
+    /// `iptables-save -t TABLE`. Reading never creates the table: the legacy tools instantiate
+    /// a table a network namespace does not have yet when asked for it by name (and
+    /// `iptables-nft-save` then warns "iptables-legacy tables present"), so for the legacy variant
+    /// a table missing from `/proc/net/ip{,6}_tables_names` reads as empty without running the tool.
+    /// (The nft variant's tools list a missing table without creating it.)
     pub fn save(&self, table: Table) -> Result<String, IptablesError> {
+        if self.variant == Variant::Legacy && !self.legacy_table_exists(table)? {
+            return Ok(String::new());
+        }
         self.run_ok("iptables-save", &["-t", table.as_str()], None)
             .map(|f| f.stdout)
+    }
+
+    /// Whether the legacy (x_tables) `table` of this family exists in the network namespace:
+    /// listed in `/proc/net/ip_tables_names` (`ip6_tables_names`). Without that file (x_tables
+    /// not loaded) no legacy table exists.
+    pub fn legacy_table_exists(&self, table: Table) -> Result<bool, IptablesError> {
+        let file = match self.family {
+            IpFamily::V4 => "/proc/net/ip_tables_names",
+            IpFamily::V6 => "/proc/net/ip6_tables_names",
+        };
+        let names = match &self.netns {
+            None => std::fs::read_to_string(file).unwrap_or_default(),
+            Some(ns) => {
+                let command = format!("ip netns exec {ns} cat {file}");
+                let out = super::exec::run_with_input("ip", &["netns", "exec", ns, "cat", file], None)
+                    .map_err(|e| IptablesError::Spawn {
+                        command: command.clone(),
+                        reason: e.to_string(),
+                    })?;
+                if !out.success && out.stderr.contains("No such file") {
+                    String::new()
+                } else if !out.success {
+                    return Err(IptablesError::Failed {
+                        command,
+                        status: out.code,
+                        stderr: out.stderr,
+                    });
+                } else {
+                    out.stdout
+                }
+            }
+        };
+        Ok(table_listed(&names, table))
+    }
+
+    /// Whether this variant's tools run at all (`iptables -V`, which touches no table).
+    pub fn tools_run(&self) -> Result<(), IptablesError> {
+        self.run_ok("iptables", &["-V"], None).map(|_| ())
     }
 
     fn rule_command(
@@ -346,6 +394,11 @@ fn failed(command: String, f: Finished) -> IptablesError {
     }
 }
 
+/// Whether `table` is a line of an `ip_tables_names` listing.
+fn table_listed(names: &str, table: Table) -> bool {
+    names.lines().any(|l| l.trim() == table.as_str())
+}
+
 /// The 1-based input line of an `iptables-restore` error (`... line N failed`, `Error occurred at
 /// line: N`).
 fn failed_line(stderr: &str) -> Option<usize> {
@@ -405,6 +458,14 @@ mod tests {
         let v6 = Iptables::new(Variant::Legacy, None).for_family(IpFamily::V6);
         assert_eq!(v6.binary("iptables-restore"), "ip6tables-legacy-restore");
         assert_eq!(v6.binary("iptables"), "ip6tables-legacy");
+    }
+
+    #[test]
+    fn legacy_tables_are_read_only_when_listed() {
+        assert!(table_listed("nat\nfilter\n", Table::Filter));
+        assert!(!table_listed("nat\n", Table::Filter));
+        assert!(!table_listed("", Table::Mangle));
+        assert!(!table_listed("mangle2\n", Table::Mangle));
     }
 
     #[test]
