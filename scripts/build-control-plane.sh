@@ -36,8 +36,9 @@ export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
 export GOPATH="$cache/go" GOMODCACHE="$cache/go/mod" GOCACHE="$cache/go/build-cache"
 
 # The control plane (apiserver, controller-manager, scheduler), kubectl, and the node tier's
-# kubelet; one module set-up, so the shared packages compile once.
-KUBE_COMMANDS="kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet"
+# kubelet, and kube-proxy (the incumbent the takeover tests replace); one module set-up, so the
+# shared packages compile once.
+KUBE_COMMANDS="kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy"
 
 log() { echo "[build-control-plane $(date +%H:%M:%S)] $*" >&2; }
 fail_registry() { echo "switchyard: cannot fetch $1 from the Go module registry (no network or registry unavailable): see $2" >&2; exit 1; }

@@ -80,6 +80,17 @@ struct Args {
     /// KUBE-* iptables chains; kubelet's chains are kept).
     #[arg(long)]
     takeover_kube_proxy: bool,
+    /// iptables mode: serve IPv4 NodePorts on 127.0.0.1 too (sets route_localnet=1 and adds
+    /// kube-proxy's guard rule against martian localnet traffic), as kube-proxy's
+    /// `--iptables-localhost-nodeports`; `=false` refuses such connections at once.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    iptables_localhost_nodeports: bool,
+    /// The cluster's Service CIDRs (the apiserver's `--service-cluster-ip-range`), one per family
+    /// comma-separated: nftables mode drops traffic to an address in them that is no ClusterIP it
+    /// handles (an unallocated address, or a Service of another proxy) instead of routing it out
+    /// of the node, as kube-proxy does with its ServiceCIDR objects.
+    #[arg(long)]
+    service_cidr: Option<String>,
     /// Directory for the persisted switch state.
     #[arg(long, default_value = "/var/lib/switchyard")]
     state_dir: PathBuf,
@@ -166,6 +177,12 @@ fn runtime_config(
         }
         None => Vec::new(),
     };
+    let service_cidrs = match args.service_cidr.as_deref() {
+        Some(c) => {
+            runtime::parse_cluster_cidrs(c).map_err(|e| Error::Config(format!("--service-cidr {e}")))?
+        }
+        None => Vec::new(),
+    };
     let node_port_addresses = match args.nodeport_addresses.as_deref() {
         None if mode == ProxyMode::Nftables => NodePortAddresses::Primary,
         None | Some("all") => NodePortAddresses::All,
@@ -198,6 +215,8 @@ fn runtime_config(
         capabilities: caps,
         state_dir: args.state_dir.clone(),
         takeover_kube_proxy: args.takeover_kube_proxy,
+        localhost_node_ports: args.iptables_localhost_nodeports,
+        service_cidrs,
     })
 }
 

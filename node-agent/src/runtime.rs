@@ -71,6 +71,10 @@ pub struct Config {
     pub state_dir: std::path::PathBuf,
     /// Remove kube-proxy's leftovers once Switchyard serves the node.
     pub takeover_kube_proxy: bool,
+    /// iptables mode: NodePorts on 127.0.0.1 (see [`Settings::localhost_node_ports`]).
+    pub localhost_node_ports: bool,
+    /// The cluster's Service CIDRs (see [`Settings::service_cidrs`]).
+    pub service_cidrs: Vec<IpNet>,
 }
 
 /// Derives the node facts and the backend settings from the Node object.
@@ -124,6 +128,8 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
         node_port_addresses,
         masquerade_mark: 0x4000,
         ipvs: backend::ipvs::IpvsOptions::default(),
+        localhost_node_ports: config.localhost_node_ports,
+        service_cidrs: config.service_cidrs.clone(),
     }
 }
 
@@ -1094,6 +1100,8 @@ mod tests {
             capabilities: Capabilities::default(),
             state_dir: "/tmp".into(),
             takeover_kube_proxy: false,
+            localhost_node_ports: true,
+            service_cidrs: Vec::new(),
         };
         let proxy = ProxySettings {
             cluster_cidr: Some("10.244.0.0/16,fd00:10:244::/56".into()),

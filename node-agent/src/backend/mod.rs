@@ -41,6 +41,13 @@ pub struct Settings {
     pub masquerade_mark: u32,
     /// IPVS mode: scheduler, strictARP, excluded CIDRs.
     pub ipvs: ipvs::IpvsOptions,
+    /// iptables mode: serve IPv4 NodePorts on `127.0.0.1` too, as kube-proxy's
+    /// `--iptables-localhost-nodeports` (default on): `route_localnet=1` plus a guard rule dropping
+    /// martian localnet traffic from outside. Off, such connections are refused at once.
+    pub localhost_node_ports: bool,
+    /// The cluster's Service CIDRs (at most a few per family). nftables mode drops traffic to an
+    /// address in them that is no ClusterIP it handles, as kube-proxy's `cluster-ips-check`.
+    pub service_cidrs: Vec<IpNet>,
 }
 
 impl Default for Settings {
@@ -52,6 +59,8 @@ impl Default for Settings {
             node_port_addresses: NodePortIps::default(),
             masquerade_mark: 0x4000,
             ipvs: ipvs::IpvsOptions::default(),
+            localhost_node_ports: true,
+            service_cidrs: Vec::new(),
         }
     }
 }

@@ -18,6 +18,36 @@ pub fn sysctl_i64(path: &str) -> Option<i64> {
         .ok()
 }
 
+/// Sets the sysctl `path` (under `/proc/sys/`, e.g. `net/ipv4/conf/all/route_localnet`) to
+/// `value` unless it has it; returns whether it wrote. With `netns`, in that named network
+/// namespace (`ip netns exec NETNS sysctl`), as the kernel tests run backends.
+pub fn ensure_sysctl(netns: Option<&str>, path: &str, value: &str) -> Result<bool, String> {
+    match netns {
+        None => {
+            let file = Path::new("/proc/sys").join(path);
+            let current = std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            if current.trim() == value {
+                return Ok(false);
+            }
+            std::fs::write(&file, value).map_err(|e| format!("{}: {e}", file.display()))?;
+            Ok(true)
+        }
+        Some(ns) => {
+            let read = super::exec::run("ip", &["netns", "exec", ns, "sysctl", "-n", path])?;
+            if read.success && read.stdout.trim() == value {
+                return Ok(false);
+            }
+            let setting = format!("{path}={value}");
+            let out = super::exec::run("ip", &["netns", "exec", ns, "sysctl", "-q", "-w", &setting])?;
+            if out.success {
+                Ok(true)
+            } else {
+                Err(format!("sysctl -w {setting} in {ns}: {}", out.stderr))
+            }
+        }
+    }
+}
+
 /// Names of IPVS schedulers the kernel has loaded or could load: `ip_vs_<name>` modules shipped
 /// for `release`, built-in ones, and any listed as loaded.
 pub fn ipvs_scheduler_modules(release: &str) -> Vec<String> {

@@ -27,7 +27,9 @@ use crate::backend::{Backend, BackendError, FamilyResults, Settings, SyncStats};
 use crate::model::{Changes, DualSnapshot, IpFamily, ServiceName, Snapshot, ports_of};
 use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
 
-use render::{CHAIN_PREFIX, EXTERNAL_SERVICES, FORWARD, NODEPORTS, POSTROUTING, PROXY_FIREWALL, SERVICES};
+use render::{
+    CHAIN_PREFIX, EXTERNAL_SERVICES, FIREWALL, FORWARD, NODEPORTS, POSTROUTING, PROXY_FIREWALL, SERVICES,
+};
 
 const BACKEND: &str = "iptables";
 
@@ -74,7 +76,7 @@ impl JumpRule {
 }
 
 /// Jump rules from built-in chains (kube-proxy's `iptablesJumpChains` with our chains).
-pub const JUMP_RULES: [JumpRule; 12] = {
+pub const JUMP_RULES: [JumpRule; 14] = {
     const fn j(
         table: Table,
         chain: &'static str,
@@ -96,6 +98,7 @@ pub const JUMP_RULES: [JumpRule; 12] = {
     const FWD: &str = "switchyard forwarding rules";
     const FW: &str = "switchyard load balancer firewall";
     const POST: &str = "switchyard postrouting rules";
+    const GUARD: &str = "switchyard localnet guard";
     [
         j(Table::Filter, "INPUT", EXTERNAL_SERVICES, true, EXT),
         j(Table::Filter, "FORWARD", EXTERNAL_SERVICES, true, EXT),
@@ -106,6 +109,8 @@ pub const JUMP_RULES: [JumpRule; 12] = {
         j(Table::Filter, "INPUT", PROXY_FIREWALL, true, FW),
         j(Table::Filter, "OUTPUT", PROXY_FIREWALL, true, FW),
         j(Table::Filter, "FORWARD", PROXY_FIREWALL, true, FW),
+        j(Table::Filter, "INPUT", FIREWALL, false, GUARD),
+        j(Table::Filter, "OUTPUT", FIREWALL, false, GUARD),
         j(Table::Nat, "OUTPUT", SERVICES, false, SVC),
         j(Table::Nat, "PREROUTING", SERVICES, false, SVC),
         j(Table::Nat, "POSTROUTING", POSTROUTING, false, POST),
@@ -153,6 +158,8 @@ struct FamilyTables {
     needs_full: bool,
     /// Whether this family has worked on this node (see [`FamilyResults`]).
     results: FamilyResults,
+    /// A failure to set route_localnet was logged.
+    localnet_warned: bool,
 }
 
 impl IptablesBackend {
@@ -171,6 +178,7 @@ impl IptablesBackend {
             services: BTreeSet::new(),
             needs_full: true,
             results: FamilyResults::default(),
+            localnet_warned: false,
         };
         Self {
             variant,
@@ -242,6 +250,29 @@ fn jump_edits(bypassed: bool, filter_save: &str, nat_save: &str) -> (Vec<String>
 }
 
 impl FamilyTables {
+    /// Sets [`render::ROUTE_LOCALNET`] to 1 unless it is; false (logged once) when it cannot be.
+    fn ensure_route_localnet(&mut self) -> bool {
+        match crate::sys::host::ensure_sysctl(self.ipt.netns(), render::ROUTE_LOCALNET, "1") {
+            Ok(changed) => {
+                if changed {
+                    tracing::info!(
+                        sysctl = render::ROUTE_LOCALNET,
+                        "set to 1 for NodePorts on 127.0.0.1 (guarded by {FIREWALL})"
+                    );
+                }
+                self.localnet_warned = false;
+                true
+            }
+            Err(e) => {
+                if !self.localnet_warned {
+                    tracing::warn!(sysctl = render::ROUTE_LOCALNET, error = %e, "cannot set; NodePorts on 127.0.0.1 are refused");
+                    self.localnet_warned = true;
+                }
+                false
+            }
+        }
+    }
+
     fn sync_inner(
         &mut self,
         settings: &Settings,
@@ -274,6 +305,20 @@ impl FamilyTables {
             // Nothing of this family changed (e.g. an IPv4-only Service, seen from ip6tables).
             return Ok(SyncStats::default());
         }
+        // Localhost NodePorts need route_localnet: set (through `sys`) before the rules that rely
+        // on it; where it cannot be set (a read-only /proc/sys) they are refused instead.
+        let localnet_settings;
+        let settings = if render::serves_localhost_node_ports(settings, self.ipt.family())
+            && !self.ensure_route_localnet()
+        {
+            localnet_settings = Settings {
+                localhost_node_ports: false,
+                ..settings.clone()
+            };
+            &localnet_settings
+        } else {
+            settings
+        };
         let mut rendered = render::render(snapshot, settings, if full { None } else { Some(changes) });
         let mut full = full;
         if !full {

@@ -69,9 +69,38 @@ pub const MARK_MASQ: &str = "SWY-MARK-MASQ";
 pub const FORWARD: &str = "SWY-FORWARD";
 /// filter: drops load-balancer traffic not accepted by `loadBalancerSourceRanges`.
 pub const PROXY_FIREWALL: &str = "SWY-PROXY-FIREWALL";
+/// filter (INPUT, OUTPUT): the guard of localhost NodePorts, kube-proxy's rule in `KUBE-FIREWALL`.
+pub const FIREWALL: &str = "SWY-FIREWALL";
 
 /// Top-level chains of the filter table, always fully rewritten.
-pub const FILTER_TOP_CHAINS: [&str; 5] = [EXTERNAL_SERVICES, FORWARD, NODEPORTS, PROXY_FIREWALL, SERVICES];
+pub const FILTER_TOP_CHAINS: [&str; 6] = [
+    EXTERNAL_SERVICES,
+    FIREWALL,
+    FORWARD,
+    NODEPORTS,
+    PROXY_FIREWALL,
+    SERVICES,
+];
+
+/// The sysctl that lets the kernel route `127.0.0.0/8` destinations DNATed away from loopback.
+pub const ROUTE_LOCALNET: &str = "net/ipv4/conf/all/route_localnet";
+
+/// Whether a render of `family` with `settings` serves NodePorts on `127.0.0.1` (and so needs
+/// [`ROUTE_LOCALNET`]): IPv4, NodePorts on every local address, and the setting on. IPv6 never
+/// (the kernel has no route_localnet for `::1`), as in kube-proxy.
+pub fn serves_localhost_node_ports(settings: &Settings, family: IpFamily) -> bool {
+    family == IpFamily::V4 && settings.localhost_node_ports && settings.node_port_addresses(family).is_none()
+}
+
+/// kube-proxy's guard of localhost NodePorts (CVE-2020-8558): with route_localnet on, drop
+/// packets to `127.0.0.0/8` from elsewhere that are not part of a connection conntrack knows
+/// (replies, or a DNATed NodePort connection), as `iptables-save` prints it.
+pub fn localnet_guard_rule() -> String {
+    format!(
+        "-A {FIREWALL} ! -s 127.0.0.0/8 -d 127.0.0.0/8 {} -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
+        comment("block incoming localnet connections")
+    )
+}
 /// Top-level chains of the nat table, always fully rewritten.
 pub const NAT_TOP_CHAINS: [&str; 4] = [MARK_MASQ, NODEPORTS, POSTROUTING, SERVICES];
 
@@ -301,13 +330,20 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
 
     // Last rule of nat SWY-SERVICES: node ports.
     let np_comment = comment("switchyard service nodeports; NOTE: this must be the last rule in this chain");
+    let localhost = serves_localhost_node_ports(settings, snapshot.family);
+    if localhost {
+        let guard = localnet_guard_rule();
+        filter.chains.entry(FIREWALL.to_owned()).or_default().push(guard);
+    }
     match settings.node_port_addresses(snapshot.family) {
-        // Every local address but loopback (IPv4 loopback NodePorts would need route_localnet).
+        // Every local address; loopback only with localhost NodePorts (IPv4 with route_localnet
+        // and the guard rule above). Excluded, a connection to 127.0.0.1:<NodePort> is refused at
+        // once (nothing listens there) instead of being DNATed into a route the kernel drops.
         None => {
-            let not_loopback = if snapshot.family == IpFamily::V6 {
-                "! -d ::1/128 "
-            } else {
-                ""
+            let not_loopback = match snapshot.family {
+                IpFamily::V6 => "! -d ::1/128 ",
+                IpFamily::V4 if localhost => "",
+                IpFamily::V4 => "! -d 127.0.0.0/8 ",
             };
             nat.add(
                 SERVICES,

@@ -796,3 +796,54 @@ fn iptables_kernel_failure_forces_full_sync() {
     backend.cleanup().unwrap();
     assert!(!whole_save(&ipt).contains("SWY"));
 }
+
+#[test]
+fn iptables_localhost_node_ports_follow_the_setting() {
+    let np_jump = |text: &str| -> String {
+        text.lines()
+            .find(|l| l.starts_with("-A SWY-SERVICES") && l.ends_with("-j SWY-NODEPORTS"))
+            .expect("the node-port jump")
+            .to_owned()
+    };
+    let guard = super::render::localnet_guard_rule();
+    // On (kube-proxy's default): loopback is not excluded, and the guard drops martian localnet
+    // traffic from outside.
+    let on = render(&scenario(), &settings(), None).text();
+    assert!(!np_jump(&on).contains("127.0.0.0/8"), "{}", np_jump(&on));
+    assert!(on.lines().any(|l| l == guard), "guard rule missing:\n{on}");
+    assert!(super::render::serves_localhost_node_ports(
+        &settings(),
+        IpFamily::V4
+    ));
+    // Off: 127.0.0.0/8 never reaches SWY-NODEPORTS (refused at once), no guard.
+    let off_settings = Settings {
+        localhost_node_ports: false,
+        ..settings()
+    };
+    let off = render(&scenario(), &off_settings, None).text();
+    assert!(
+        np_jump(&off).starts_with("-A SWY-SERVICES ! -d 127.0.0.0/8 "),
+        "{}",
+        np_jump(&off)
+    );
+    assert!(!off.lines().any(|l| l == guard));
+    assert!(!super::render::serves_localhost_node_ports(
+        &off_settings,
+        IpFamily::V4
+    ));
+    // IPv6 never (no route_localnet for ::1), and restricted NodePort addresses never.
+    let v6 = render(&fixtures::ipv6_twin_snapshot(&scenario()), &settings(), None).text();
+    assert!(np_jump(&v6).starts_with("-A SWY-SERVICES ! -d ::1/128 "));
+    assert!(!v6.lines().any(|l| l.starts_with("-A SWY-FIREWALL")));
+    assert!(!super::render::serves_localhost_node_ports(
+        &variant_settings(),
+        IpFamily::V4
+    ));
+    // The jump into the guard chain from INPUT and OUTPUT is one of the ensured jump rules.
+    let guard_jumps: Vec<_> = super::JUMP_RULES
+        .iter()
+        .filter(|j| j.target == super::render::FIREWALL)
+        .map(|j| j.chain)
+        .collect();
+    assert_eq!(guard_jumps, ["INPUT", "OUTPUT"]);
+}

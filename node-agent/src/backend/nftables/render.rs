@@ -281,6 +281,22 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
                 Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject])
                     .comment("Reject traffic to invalid ports of ClusterIPs"),
             );
+            // The rest of the Service CIDRs: unallocated addresses, or Services another proxy
+            // handles. Dropped here instead of routed out of the node (kube-proxy's rule; handled
+            // ClusterIPs are DNATed before this filter priority, so only those reach it).
+            for cidr in settings
+                .service_cidrs
+                .iter()
+                .filter(|c| IpFamily::of_net(c) == family)
+            {
+                rules.push(
+                    Rule::new(vec![
+                        Expr::DaddrIn(cidr.trunc(), false),
+                        Expr::Verdict(Verdict::Drop),
+                    ])
+                    .comment("Drop traffic to unallocated ClusterIPs"),
+                );
+            }
             rules
         }),
         chain("reject-chain", {

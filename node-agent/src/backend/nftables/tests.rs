@@ -125,6 +125,11 @@ fn settings() -> Settings {
         node_port_addresses: Default::default(),
         masquerade_mark: 0x4000,
         ipvs: Default::default(),
+        localhost_node_ports: true,
+        service_cidrs: vec![
+            "10.96.0.0/16".parse().expect("cidr"),
+            "fd00:10:96::/112".parse().expect("cidr"),
+        ],
     }
 }
 
@@ -439,4 +444,34 @@ fn services_without_affinity_or_local_external_policy_are_map_elements_only() {
             "{slots:?}"
         );
     }
+}
+
+#[test]
+fn service_cidrs_drop_unhandled_cluster_ips_per_family() {
+    let (snap, settings) = dual_scenario();
+    let chain = |text: &str| -> Vec<String> {
+        let start = text.find("chain cluster-ips-check {").expect("cluster-ips-check");
+        let body = &text[start..];
+        body[..body.find('}').expect("end of chain")]
+            .lines()
+            .skip(1)
+            .map(|l| l.trim().to_owned())
+            .filter(|l| !l.is_empty())
+            .collect()
+    };
+    let drop4 = "ip daddr 10.96.0.0/16 drop comment \"Drop traffic to unallocated ClusterIPs\"";
+    let drop6 = "ip6 daddr fd00:10:96::/112 drop comment \"Drop traffic to unallocated ClusterIPs\"";
+    let v4 = chain(&render::full(&snap.v4, &settings).text());
+    let v6 = chain(&render::full(&snap.v6, &settings).text());
+    // After the reject of handled ClusterIPs' other ports, each family's own CIDR only.
+    assert_eq!(v4.last().map(String::as_str), Some(drop4), "{v4:?}");
+    assert_eq!(v6.last().map(String::as_str), Some(drop6), "{v6:?}");
+    assert!(!v4.iter().any(|l| l.contains("fd00:10:96")));
+    // Without known Service CIDRs nothing is dropped (as kube-proxy without ServiceCIDRs).
+    let none = Settings {
+        service_cidrs: Vec::new(),
+        ..settings.clone()
+    };
+    let v4 = chain(&render::full(&snap.v4, &none).text());
+    assert!(!v4.iter().any(|l| l.contains("drop")), "{v4:?}");
 }
