@@ -120,6 +120,8 @@ pub struct Stores {
     pub proxies: Store<NodeProxy>,
     /// ProxyPolicies.
     pub policies: Store<ProxyPolicy>,
+    /// ProxyPolicies left out of `policies` because they cannot be decoded.
+    pub bad_policies: crate::decode::Undecodable,
 }
 
 struct Written<T> {

@@ -18,7 +18,7 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use kube::{
     Api, Client, Resource, ResourceExt,
-    api::{Patch, PatchParams},
+    api::{DynamicObject, Patch, PatchParams},
     runtime::{
         Controller, WatchStreamExt,
         controller::{self, Action},
@@ -36,6 +36,7 @@ use tokio::sync::{broadcast, watch};
 use crate::{
     Error, Result,
     context::{Context, Health, KnownSpecs, OwnWrites, Stores},
+    decode::{self, Undecodable},
     fleet,
     lease::{self, LeaseConfig},
     metrics::{Metrics, ReasonLabel},
@@ -71,7 +72,7 @@ pub async fn run(client: Client, config: Config, shutdown: impl Future<Output = 
     let (trigger, _) = broadcast::channel::<()>(64);
     let api = Arc::new(ApiState::new(trigger.clone()));
     let health = Arc::new(Health::new(config.stale_after, api.clone()));
-    let stores = start_caches(&client, &trigger, &api);
+    let stores = start_caches(&client, &trigger, &api, &metrics);
     let server = serve(
         config.healthz_bind_address,
         health.clone(),
@@ -155,7 +156,12 @@ async fn lost_leadership(leader: &mut watch::Receiver<bool>) -> Result<()> {
 /// Reflector tasks for Nodes (metadata only), NodeProxies and ProxyPolicies, retried with the short
 /// backoff of [`retry::retrying`]; every change, and every completed (re-)list, sends a trigger
 /// that requeues all policies.
-fn start_caches(client: &Client, trigger: &broadcast::Sender<()>, api: &Arc<ApiState>) -> Stores {
+fn start_caches(
+    client: &Client,
+    trigger: &broadcast::Sender<()>,
+    api: &Arc<ApiState>,
+    metrics: &Arc<Metrics>,
+) -> Stores {
     let (nodes, nodes_writer) = reflector::store::<kube::core::PartialObjectMeta<Node>>();
     let (proxies, proxies_writer) = reflector::store::<NodeProxy>();
     let (policies, policies_writer) = reflector::store::<ProxyPolicy>();
@@ -171,7 +177,10 @@ fn start_caches(client: &Client, trigger: &broadcast::Sender<()>, api: &Arc<ApiS
         retry::retrying("Node", node_stream, api.clone()),
         trigger.clone(),
     );
-    let np_stream = watcher(Api::<NodeProxy>::all(client.clone()), cfg())
+    // NodeProxies and ProxyPolicies are watched untyped and decoded one by one: an object the
+    // typed structs cannot read is left out (and reported) instead of failing the whole list.
+    let bad_proxies = Undecodable::new("NodeProxy", metrics.clone());
+    let np_stream = decode::typed::<NodeProxy, _>(untyped::<NodeProxy>(client), bad_proxies)
         .modify(|n| n.managed_fields_mut().clear())
         .reflect(proxies_writer);
     spawn_cache(
@@ -179,7 +188,8 @@ fn start_caches(client: &Client, trigger: &broadcast::Sender<()>, api: &Arc<ApiS
         retry::retrying("NodeProxy", np_stream, api.clone()),
         trigger.clone(),
     );
-    let pp_stream = watcher(Api::<ProxyPolicy>::all(client.clone()), cfg())
+    let bad_policies = Undecodable::new("ProxyPolicy", metrics.clone());
+    let pp_stream = decode::typed::<ProxyPolicy, _>(untyped::<ProxyPolicy>(client), bad_policies.clone())
         .modify(|n| n.managed_fields_mut().clear())
         .reflect(policies_writer);
     // Policy changes reach the Controller through its own watch; this cache feeds the planner, and
@@ -193,7 +203,19 @@ fn start_caches(client: &Client, trigger: &broadcast::Sender<()>, api: &Arc<ApiS
         nodes,
         proxies,
         policies,
+        bad_policies,
     }
+}
+
+/// An untyped watch of every `K`.
+fn untyped<K: Resource<DynamicType = ()>>(
+    client: &Client,
+) -> impl Stream<Item = Result<watcher::Event<DynamicObject>, watcher::Error>> + Send + 'static {
+    let ar = decode::api_resource::<K>();
+    watcher(
+        Api::<DynamicObject>::all_with(client.clone(), &ar),
+        watcher::Config::default(),
+    )
 }
 
 fn spawn_cache<K, S>(kind: &'static str, stream: S, trigger: broadcast::Sender<()>)
@@ -297,16 +319,21 @@ async fn leader_term(
     });
     health.set_running(true);
     let fleet = fleet::run(ctx.clone(), subscribe(trigger));
-    let controller = Controller::new(Api::<ProxyPolicy>::all(client), watcher::Config::default())
-        .trigger_backoff(RetryBackoff::new())
-        .reconcile_all_on(subscribe(trigger))
-        .with_config(controller::Config::default().debounce(Duration::from_millis(200)))
-        .run(reconcile, error_policy, ctx)
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "reconcile");
-            }
-        });
+    let ar = decode::api_resource::<ProxyPolicy>();
+    let controller = Controller::new_with(
+        Api::<DynamicObject>::all_with(client, &ar),
+        watcher::Config::default(),
+        ar,
+    )
+    .trigger_backoff(RetryBackoff::new())
+    .reconcile_all_on(subscribe(trigger))
+    .with_config(controller::Config::default().debounce(Duration::from_millis(200)))
+    .run(reconcile, error_policy, ctx)
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "reconcile");
+        }
+    });
     tokio::select! {
         () = controller => {}
         () = fleet => {}
@@ -342,7 +369,7 @@ async fn wait_for_caches(stores: &Stores) {
     }
 }
 
-fn error_policy(policy: Arc<ProxyPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
+fn error_policy(policy: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) -> Action {
     tracing::warn!(policy = %policy.name_any(), error = %error, "reconcile failed");
     ctx.metrics
         .reconcile_errors
@@ -423,7 +450,35 @@ fn snapshot(ctx: &Context, current: &ProxyPolicy) -> (Vec<PolicyInput>, Vec<Node
     (policies, nodes, proxies)
 }
 
-async fn reconcile(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action> {
+/// Decodes the Controller's untyped object and reconciles it; an object that does not decode is
+/// reported (a Warning Event on it, besides the cache's metric and log line) and waits for a change.
+async fn reconcile(object: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action> {
+    match decode::decode::<ProxyPolicy>("ProxyPolicy", &object) {
+        Ok(policy) => reconcile_policy(Arc::new(policy), ctx).await,
+        Err(error) => {
+            ctx.stores.bad_policies.failed(&object, &error);
+            let ev = Event {
+                type_: EventType::Warning,
+                reason: "Undecodable".into(),
+                note: Some(
+                    format!("{error}; the operator leaves this policy out until it is fixed (kubectl edit proxypolicy {})", object.name_any())
+                        .chars()
+                        .take(1000)
+                        .collect(),
+                ),
+                action: "Decode".into(),
+                secondary: None,
+            };
+            let reference = object.object_ref(&decode::api_resource::<ProxyPolicy>());
+            if let Err(e) = ctx.recorder.publish(&ev, &reference).await {
+                tracing::warn!(error = %e, "could not publish event");
+            }
+            Ok(Action::await_change())
+        }
+    }
+}
+
+async fn reconcile_policy(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action> {
     let started = Instant::now();
     ctx.metrics.reconciles.inc();
     if !ctx.health.is_leader() {
@@ -441,8 +496,12 @@ async fn reconcile(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result<Action
     let Some(pp) = plan.policy(&name) else {
         return Ok(Action::requeue(Duration::from_secs(60)));
     };
-    for write in &pp.writes {
-        apply_node_proxy(&ctx, &name, write).await?;
+    // A name too long for a label (stored before the schema limited it) cannot be written on a
+    // NodeProxy: only the status (its InvalidSpec condition says so) is written.
+    if name.len() <= switchyard_crds::MAX_POLICY_NAME {
+        for write in &pp.writes {
+            apply_node_proxy(&ctx, &name, write).await?;
+        }
     }
     let previous = policies
         .iter()

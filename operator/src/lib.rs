@@ -49,6 +49,7 @@ pub use switchyard_crds as crds;
 
 pub mod context;
 pub mod controller;
+pub mod decode;
 pub mod error;
 pub mod fleet;
 pub mod lease;

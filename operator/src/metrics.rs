@@ -29,6 +29,13 @@ pub struct PolicyNodesLabel {
     pub kind: String,
 }
 
+/// Label: object kind.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// Kind, e.g. `ProxyPolicy`.
+    pub kind: String,
+}
+
 /// Node count kinds of `switchyard_operator_policy_nodes`.
 pub const POLICY_NODE_KINDS: [&str; 5] = ["target", "updated", "healthy", "failed", "incompatible"];
 
@@ -57,6 +64,11 @@ pub struct Metrics {
     pub api_reachable: Gauge,
     /// switchyard_operator_api_unreachable_since_seconds: Unix time since which it fails, 0 when not.
     pub api_unreachable_since: Gauge,
+    /// switchyard_operator_decode_failures_total{kind}: objects (per resourceVersion) the typed
+    /// structs could not decode.
+    pub decode_failures: Family<KindLabel, Counter>,
+    /// switchyard_operator_undecodable_objects{kind}: objects left out of the caches now.
+    pub undecodable_objects: Family<KindLabel, Gauge>,
     /// Policies with `policy_nodes` series (removed when the policy is gone).
     reported: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
@@ -84,6 +96,8 @@ impl Metrics {
             ungoverned_nodes: Gauge::default(),
             api_reachable: Gauge::default(),
             api_unreachable_since: Gauge::default(),
+            decode_failures: Family::default(),
+            undecodable_objects: Family::default(),
             reported: Default::default(),
             registry: Registry::default(),
         };
@@ -125,6 +139,16 @@ impl Metrics {
             "api_unreachable_since_seconds",
             "Unix time since which the Kubernetes API fails, 0 while it answers",
             m.api_unreachable_since.clone(),
+        );
+        registry.register(
+            "decode_failures",
+            "Objects (per resourceVersion) that could not be decoded",
+            m.decode_failures.clone(),
+        );
+        registry.register(
+            "undecodable_objects",
+            "Objects left out of the caches because they cannot be decoded",
+            m.undecodable_objects.clone(),
         );
         Self { registry, ..m }
     }

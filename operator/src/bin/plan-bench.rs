@@ -31,6 +31,7 @@ fn inputs(n: usize) -> Result<Inputs, serde_json::Error> {
                     {"name": "canary", "nodes": 1}, {"name": "half", "nodes": "50%"}, {"name": "rest", "nodes": "100%"}]},
             }))?,
             approvals: Default::default(),
+            annotations: Vec::new(),
             rollback: None,
             status: None,
         })

@@ -186,6 +186,7 @@ mod tests {
             generation: 1,
             spec,
             approvals: BTreeMap::new(),
+            annotations: Vec::new(),
             rollback: None,
             status: None,
         }

@@ -26,6 +26,7 @@
 pub mod lifecycle;
 mod policy;
 pub mod selector;
+pub mod validate;
 pub mod waves;
 pub mod window;
 
@@ -69,6 +70,11 @@ pub mod conditions {
     pub const CONFLICT: &str = "Conflict";
     /// The policy makes nodes run IPVS, deprecated upstream since Kubernetes v1.35.
     pub const IPVS_DEPRECATED: &str = "IPVSDeprecated";
+    /// The spec holds a value the operator cannot use (stored before the schema rejected it):
+    /// nothing new switches until it is fixed.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The policy carries `switchyard.dev` annotations the operator does not act on.
+    pub const UNKNOWN_ANNOTATIONS: &str = "UnknownAnnotations";
 }
 
 /// A ProxyPolicy as the planner needs it.
@@ -87,6 +93,8 @@ pub struct PolicyInput {
     /// Value of the [`ROLLBACK_ANNOTATION`] annotation, if any (honoured only when it names
     /// `generation`).
     pub rollback: Option<String>,
+    /// Other annotation keys in the `switchyard.dev` domain (none is understood: they are reported).
+    pub annotations: Vec<String>,
     /// The status last written (previous plan): wave timestamps, pinned wave membership, and the
     /// baseline for transition events.
     pub status: Option<ProxyPolicyStatus>,
@@ -117,9 +125,27 @@ impl PolicyInput {
                 .as_ref()
                 .and_then(|a| a.get(ROLLBACK_ANNOTATION))
                 .cloned(),
+            annotations: policy
+                .metadata
+                .annotations
+                .iter()
+                .flatten()
+                .map(|(k, _)| k)
+                .filter(|k| {
+                    is_switchyard_key(k) && !k.starts_with(APPROVE_PREFIX) && *k != ROLLBACK_ANNOTATION
+                })
+                .cloned()
+                .collect(),
             status: policy.status.clone(),
         }
     }
+}
+
+/// Whether an annotation key is in the `switchyard.dev` domain (`switchyard.dev/…` or
+/// `<sub>.switchyard.dev/…`).
+fn is_switchyard_key(key: &str) -> bool {
+    key.split_once('/')
+        .is_some_and(|(prefix, _)| prefix == "switchyard.dev" || prefix.ends_with(".switchyard.dev"))
 }
 
 /// A Node as the planner needs it.
@@ -220,6 +246,10 @@ pub enum EventReason {
     Paused,
     /// Another policy governs some of the selected nodes.
     Conflict,
+    /// The spec cannot be used (see the InvalidSpec condition).
+    InvalidSpec,
+    /// Annotations the operator does not understand (see the UnknownAnnotations condition).
+    UnknownAnnotations,
 }
 
 impl EventReason {
@@ -232,6 +262,8 @@ impl EventReason {
             EventReason::RolledBack => "RolledBack",
             EventReason::Paused => "Paused",
             EventReason::Conflict => "Conflict",
+            EventReason::InvalidSpec => "InvalidSpec",
+            EventReason::UnknownAnnotations => "UnknownAnnotations",
         }
     }
 }

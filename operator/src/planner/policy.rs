@@ -243,6 +243,8 @@ enum Hold {
         stale: Option<String>,
     },
     Window(String),
+    /// The spec cannot be used ([`super::validate`]): nothing new switches.
+    Invalid(String),
     /// A manual rollback of this generation was requested.
     Rollback,
 }
@@ -266,6 +268,7 @@ pub(super) fn plan_policy(
 ) -> PolicyPlan {
     let g = p.generation;
     let prev = p.status.as_ref();
+    let findings = super::validate::check(p);
     let mut views: Vec<View<'_>> = governed
         .iter()
         .map(|n| classify(p, n, proxies.get(n.name.as_str()).copied()))
@@ -372,6 +375,12 @@ pub(super) fn plan_policy(
         let needs_switch = any(&|v| matches!(v.state, NodeState::Pending | NodeState::Switching));
         let complete = all_healthy
             || (prev_gen_same && prev_state == Some(WaveState::Completed) && !needs_switch && !rolled);
+        let approval = p.approvals.get(&def.name);
+        let approved = approval.is_some_and(|v| v.trim().parse::<i64>().ok() == Some(g));
+        // An empty wave does not pass its approval gate by being empty (a typo in a canary's
+        // selector must not skip the approval): it waits like any other wave.
+        let gate_closed = members.is_empty() && def.require_approval && !approved;
+        let complete = complete && !gate_closed;
         let switched = any(&|v| v.switched_here);
         if complete && !rolled {
             let was_running = matches!(prev_state, Some(WaveState::Progressing | WaveState::Soaking));
@@ -410,9 +419,9 @@ pub(super) fn plan_policy(
                 prev_state,
                 Some(WaveState::Progressing | WaveState::Soaking | WaveState::Failed)
             ) || any(&|v| v.switched_here || matches!(v.state, NodeState::Switching | NodeState::Failed));
-        let approval = p.approvals.get(&def.name);
-        let approved = approval.is_some_and(|v| v.trim().parse::<i64>().ok() == Some(g));
-        hold = if exceeded {
+        hold = if !findings.invalid.is_empty() {
+            Hold::Invalid(findings.invalid.join("; "))
+        } else if exceeded {
             Hold::Budget
         } else if manual {
             Hold::Rollback
@@ -697,12 +706,22 @@ pub(super) fn plan_policy(
                     p.name
                 ),
             ),
+            Hold::Invalid(why) => (
+                PolicyPhase::Paused,
+                format!("the spec cannot be used, so nothing new switches (wave {name} waits): {why}"),
+            ),
             Hold::Approval { stale } => {
                 let mut m = format!(
                     "wave {name} waits for approval: kubectl annotate --overwrite proxypolicy {} {}{name}={g}",
                     p.name,
                     super::APPROVE_PREFIX
                 );
+                if assignment[w].is_empty() {
+                    let _ = write!(
+                        m,
+                        " (the wave has no node: check its nodeSelector and nodes; approving it lets the rollout go on without it)"
+                    );
+                }
                 if let Some(s) = stale {
                     let _ = write!(m, " (the present approval {s:?} is not for generation {g})");
                 }
@@ -831,6 +850,7 @@ pub(super) fn plan_policy(
             (Hold::Budget, _) => condition(cond::PAUSED, true, "FailureBudgetSpent", message.clone()),
             (Hold::Approval { .. }, _) => condition(cond::PAUSED, true, "AwaitingApproval", message.clone()),
             (Hold::Window(_), _) => condition(cond::PAUSED, true, "OutsideWindow", message.clone()),
+            (Hold::Invalid(_), _) => condition(cond::PAUSED, true, "InvalidSpec", message.clone()),
             _ => condition(
                 cond::PAUSED,
                 false,
@@ -874,6 +894,39 @@ pub(super) fn plan_policy(
             ),
         ));
     }
+    conditions.push(if findings.invalid.is_empty() {
+        condition(
+            cond::INVALID_SPEC,
+            false,
+            "SpecValid",
+            "the operator can use every field of the spec".into(),
+        )
+    } else {
+        condition(
+            cond::INVALID_SPEC,
+            true,
+            "InvalidSpec",
+            format!(
+                "fix the spec (nothing new switches until then): {}",
+                findings.invalid.join("; ")
+            ),
+        )
+    });
+    conditions.push(if findings.annotations.is_empty() {
+        condition(
+            cond::UNKNOWN_ANNOTATIONS,
+            false,
+            "AllUnderstood",
+            "every switchyard.dev annotation is understood".into(),
+        )
+    } else {
+        condition(
+            cond::UNKNOWN_ANNOTATIONS,
+            true,
+            "UnknownAnnotations",
+            format!("ignored: {}", findings.annotations.join("; ")),
+        )
+    });
     let ipvs = mode == ProxyMode::Ipvs || p.spec.fallback == Some(Fallback::Ipvs);
     conditions.push(if ipvs {
         condition(cond::IPVS_DEPRECATED, true, "IPVSDeprecated", "IPVS mode is deprecated since Kubernetes v1.35 (off by default in v1.40, removed in v1.43); use it only to migrate off, and plan a move to nftables".into())
@@ -982,6 +1035,29 @@ pub(super) fn plan_policy(
             action: format!("ResolveConflict/g{g}"),
             note: c.message.clone(),
         });
+    }
+
+    for (type_, reason) in [
+        (cond::INVALID_SPEC, EventReason::InvalidSpec),
+        (cond::UNKNOWN_ANNOTATIONS, EventReason::UnknownAnnotations),
+    ] {
+        let now_true = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == "True");
+        let before = prev_conditions
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == "True");
+        if let Some(c) = now_true
+            && before.map(|b| &b.message) != Some(&c.message)
+        {
+            events.push(PlanEvent {
+                warning: true,
+                reason,
+                action: format!("{}/g{g}", reason.as_str()),
+                note: c.message.clone(),
+            });
+        }
     }
 
     let requeue_after = match (phase, soak_left) {

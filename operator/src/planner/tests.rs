@@ -52,6 +52,7 @@ fn policy(name: &str, spec: serde_json::Value) -> PolicyInput {
         generation: 1,
         spec,
         approvals: BTreeMap::new(),
+        annotations: Vec::new(),
         rollback: None,
         status: None,
     }
@@ -540,10 +541,80 @@ fn approval_is_bound_to_the_generation() {
             assert!(msg.contains("wave canary waits for approval: kubectl annotate --overwrite proxypolicy p approve.switchyard.dev/canary=4"), "{msg}");
         }
     }
+    // "x" is not a generation: reported, not silently ignored.
     assert_eq!(
         sim.event_reasons(),
-        [EventReason::Paused, EventReason::WaveStarted]
+        [
+            EventReason::Paused,
+            EventReason::UnknownAnnotations,
+            EventReason::WaveStarted
+        ]
     );
+}
+
+#[test]
+fn an_empty_wave_does_not_skip_its_approval() {
+    // The canary's selector matches no node (a typo): the rollout waits for its approval.
+    let spec = json!({"nodeSelector": {}, "mode": "nftables", "rollout": {"waves": [
+        {"name": "canary", "nodeSelector": {"matchLabels": {"canray": "true"}}, "requireApproval": true},
+        {"name": "rest", "nodes": "100%"}]}});
+    let mut sim = Sim::new(vec![policy("p", spec)], 3, IPT);
+    sim.step();
+    assert!(sim.switching().is_empty());
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::AwaitingApproval));
+    let msg = sim.condition("p", "Paused").2;
+    assert!(msg.contains("the wave has no node"), "{msg}");
+    sim.policies[0].approvals.insert("canary".into(), "1".into());
+    sim.step();
+    assert!(!sim.switching().is_empty());
+}
+
+#[test]
+fn unusable_values_hold_the_rollout_with_a_condition() {
+    let cases = [
+        (
+            json!({"maxUnavailable": "2147483648"}),
+            "spec.rollout.maxUnavailable is \"2147483648\"",
+        ),
+        (
+            json!({"waves": [{"name": "a", "nodes": "3000000000"}]}),
+            "spec.rollout.waves[0].nodes is \"3000000000\"",
+        ),
+        (
+            json!({"waves": [{"name": "a", "nodeSelector": {"matchExpressions": [{"key": "k", "operator": "Gt", "values": ["1"]}]}}]}),
+            "spec.rollout.waves[0].nodeSelector.matchExpressions[0].operator \"Gt\"",
+        ),
+    ];
+    for (rollout, needle) in cases {
+        let spec = json!({"nodeSelector": {}, "mode": "nftables", "rollout": rollout});
+        let mut sim = Sim::new(vec![policy("p", spec)], 2, IPT);
+        sim.step();
+        assert!(sim.switching().is_empty(), "{needle}");
+        let (status, reason, msg) = sim.condition("p", "InvalidSpec");
+        assert_eq!((status.as_str(), reason.as_str()), ("True", "InvalidSpec"));
+        assert!(msg.contains(needle), "{msg}");
+        assert!(sim.event_reasons().contains(&EventReason::InvalidSpec));
+    }
+}
+
+#[test]
+fn unknown_annotations_are_reported() {
+    let spec = json!({"nodeSelector": {}, "mode": "nftables"});
+    let mut p = policy("p", spec);
+    p.rollback = Some("now".into());
+    p.approvals.insert("nope".into(), "1".into());
+    p.annotations.push("switchyard.dev/pause".into());
+    let mut sim = Sim::new(vec![p], 2, IPT);
+    sim.step();
+    let (status, _, msg) = sim.condition("p", "UnknownAnnotations");
+    assert_eq!(status, "True");
+    for needle in [
+        "approve.switchyard.dev/nope names no wave",
+        "switchyard.dev/rollback=\"now\" is not a generation",
+        "switchyard.dev/pause is not an annotation",
+    ] {
+        assert!(msg.contains(needle), "{needle}: {msg}");
+    }
 }
 
 #[test]
@@ -574,7 +645,11 @@ fn maintenance_window_gates_starts() {
         let mut sim = Sim::new(vec![p], 2, IPT);
         sim.step();
         assert_eq!(!sim.switching().is_empty(), admitted, "case {i}");
-        if !admitted {
+        if !admitted && i == 5 {
+            // An unknown time zone is reported at once, not when the window gate is reached.
+            assert_eq!(sim.condition("p", "Paused").1, "InvalidSpec");
+            assert!(sim.condition("p", "InvalidSpec").2.contains("Nowhere/Atlantis"));
+        } else if !admitted {
             assert_eq!(
                 sim.pp("p").status.phase,
                 Some(PolicyPhase::WaitingForWindow),
