@@ -16,13 +16,14 @@ use std::{
 };
 
 use k8s_openapi::{
+    api::authentication::v1::{TokenReview, TokenReviewSpec},
     api::core::v1::{Pod, ServiceAccount},
     api::discovery::v1::EndpointSlice,
     jiff::Timestamp,
 };
 use kube::{
     Api,
-    api::{ListParams, Patch, PatchParams},
+    api::{ListParams, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
 use switchyard_crds::v1alpha1::{NodeProxy, ProxyMode, ProxyPolicy, SwitchPhase};
@@ -468,7 +469,11 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", cluster.diagnostics()));
-    mark(&mut timings, "agents Ready → 3 NodeProxies Active (iptables)", t);
+    mark(
+        &mut timings,
+        "agent pods Ready → 3 NodeProxies Active (iptables; 0 = already)",
+        t,
+    );
     let wide_before = cluster
         .kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)
         .expect("get nodeproxies");
@@ -566,6 +571,36 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
         container_pid(&cluster, &agents["node-1"])
     );
     let token = std::fs::read_to_string(&token_path).expect("the agent pod's token");
+    // The token is the kubelet's, bound to the agent's pod on node-1.
+    let reviews: Api<TokenReview> = Api::all(admin.clone());
+    let review = reviews
+        .create(
+            &PostParams::default(),
+            &TokenReview {
+                spec: TokenReviewSpec {
+                    token: Some(token.trim().to_owned()),
+                    audiences: None,
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("TokenReview");
+    let user = review.status.and_then(|s| s.user).expect("reviewed user");
+    let extra = user.extra.unwrap_or_default();
+    assert_eq!(
+        (
+            user.username.as_deref(),
+            extra.get("authentication.kubernetes.io/pod-name"),
+            extra.get("authentication.kubernetes.io/node-name"),
+        ),
+        (
+            Some("system:serviceaccount:switchyard-system:switchyard-agent"),
+            Some(&vec![name_of(&agents["node-1"])]),
+            Some(&vec!["node-1".to_owned()]),
+        ),
+        "the agent's token is pod-bound"
+    );
     let as_agent = cluster
         .cp
         .token_client("agent-node-1", token.trim())
@@ -873,6 +908,23 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
         to_verifying.as_secs_f64(),
         replaced_in.as_secs_f64()
     );
+
+    // No agent or operator container restarted but the deleted one (the chart's probes hold).
+    let restarted: Vec<String> = pods
+        .list(&ListParams::default())
+        .await
+        .expect("switchyard pods")
+        .items
+        .iter()
+        .filter(|p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.restart_count > 0))
+        })
+        .map(name_of)
+        .collect();
+    assert!(restarted.is_empty(), "containers restarted: {restarted:?}");
 
     // --- 6. helm uninstall: the rules stay and serve; the cleanup Job removes them. ---
     let t = Instant::now();
