@@ -426,6 +426,11 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
             "{node}: {sc}"
         );
         assert_ne!(sc["privileged"], json!(true), "{node}: {sc}");
+        assert_eq!(
+            pod.spec.as_ref().and_then(|s| s.dns_policy.as_deref()),
+            Some("Default"),
+            "{node}: the agent resolves with the node's resolver, not the cluster DNS's ClusterIP"
+        );
         let (caps, uid, root_ro) = process_confinement(container_pid(&cluster, pod));
         assert_eq!(
             (caps, uid, root_ro),
@@ -1058,9 +1063,10 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
             from: rollout_from,
             to: rollout_to,
         },
+        // From the end of the rollout: the uninstall itself (agents stopping) is in it.
         Window {
-            name: "after helm uninstall",
-            from: after_uninstall,
+            name: "helm uninstall and after",
+            from: rollout_to,
             to: uninstalled_to,
         },
     ];
