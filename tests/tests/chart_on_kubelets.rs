@@ -381,6 +381,22 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
         ),
     )
     .expect("write values");
+    // The release namespace at Pod Security level privileged, as the chart README says (the
+    // agent needs the host network, hostPath volumes and NET_ADMIN).
+    cluster
+        .kubectl_ok(&["create", "namespace", SY], None)
+        .expect("create the release namespace");
+    cluster
+        .kubectl_ok(
+            &[
+                "label",
+                "namespace",
+                SY,
+                "pod-security.kubernetes.io/enforce=privileged",
+            ],
+            None,
+        )
+        .expect("label the release namespace");
     let t = Instant::now();
     let values_arg = values.display().to_string();
     let chart = chart();
@@ -391,7 +407,6 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
             &chart,
             "--namespace",
             SY,
-            "--create-namespace",
             "--values",
             &values_arg,
         ])
@@ -447,6 +462,59 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
             name_of(pod)
         );
     }
+
+    // Pod Security level baseline rejects the agent's pod (a server-side dry run of its template).
+    cluster
+        .kubectl_ok(&["create", "namespace", "psa-baseline"], None)
+        .expect("namespace");
+    cluster
+        .kubectl_ok(
+            &[
+                "label",
+                "namespace",
+                "psa-baseline",
+                "pod-security.kubernetes.io/enforce=baseline",
+            ],
+            None,
+        )
+        .expect("label");
+    let ds: serde_json::Value = serde_json::from_str(
+        &cluster
+            .kubectl_ok(
+                &["get", "daemonset", "-n", SY, "switchyard-agent", "-o", "json"],
+                None,
+            )
+            .expect("get the agent DaemonSet"),
+    )
+    .expect("DaemonSet JSON");
+    let mut spec = ds["spec"]["template"]["spec"].clone();
+    spec["serviceAccountName"] = json!("default");
+    spec["automountServiceAccountToken"] = json!(false);
+    let probe_pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "agent-psa", "namespace": "psa-baseline"}, "spec": spec});
+    let sas_psa: Api<ServiceAccount> =
+        Api::namespaced(cluster.client().await.expect("admin"), "psa-baseline");
+    eventually(
+        Duration::from_secs(60),
+        "default ServiceAccount in psa-baseline",
+        || {
+            let sas = sas_psa.clone();
+            async move { sas.get_opt("default").await.ok().flatten() }
+        },
+    )
+    .await
+    .expect("the serviceaccount controller creates `default`");
+    let (ok, _, err) = cluster
+        .kubectl(
+            &["create", "--dry-run=server", "-f", "-"],
+            Some(&probe_pod.to_string()),
+        )
+        .expect("kubectl");
+    assert!(
+        !ok && err.contains("violates PodSecurity \"baseline:latest\"") && err.contains("hostNetwork=true"),
+        "Pod Security baseline rejects the agent's pod: {err}"
+    );
+    println!("the agent's pod under Pod Security baseline: {}", err.trim());
 
     // --- 2. NodeProxies registered by the Pod agents. ---
     let admin = cluster.client().await.expect("admin client");
