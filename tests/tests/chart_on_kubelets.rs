@@ -304,6 +304,65 @@ fn backends(netns: &str) -> (bool, bool) {
     (tables.contains("switchyard"), saves.contains("SWY"))
 }
 
+/// A server-side dry run of the pod template of the chart's `component` workload in a fresh
+/// namespace enforcing Pod Security `level`: (admitted, kubectl's stderr).
+async fn pod_security_dry_run(cluster: &KubeletCluster, component: &str, level: &str) -> (bool, String) {
+    let ns = format!("psa-{level}");
+    cluster
+        .kubectl_ok(&["create", "namespace", &ns], None)
+        .expect("namespace");
+    cluster
+        .kubectl_ok(
+            &[
+                "label",
+                "namespace",
+                &ns,
+                &format!("pod-security.kubernetes.io/enforce={level}"),
+            ],
+            None,
+        )
+        .expect("label");
+    let kind = if component == "agent" {
+        "daemonset"
+    } else {
+        "deployment"
+    };
+    let workload: serde_json::Value = serde_json::from_str(
+        &cluster
+            .kubectl_ok(
+                &[
+                    "get",
+                    kind,
+                    "-n",
+                    SY,
+                    &format!("switchyard-{component}"),
+                    "-o",
+                    "json",
+                ],
+                None,
+            )
+            .expect("get the workload"),
+    )
+    .expect("workload JSON");
+    let mut spec = workload["spec"]["template"]["spec"].clone();
+    // The namespace's own account (the chart's lives in the release namespace).
+    spec["serviceAccountName"] = json!("default");
+    spec["automountServiceAccountToken"] = json!(false);
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("{component}-psa"), "namespace": ns}, "spec": spec});
+    let sas: Api<ServiceAccount> = Api::namespaced(cluster.client().await.expect("admin"), &ns);
+    eventually(Duration::from_secs(60), "default ServiceAccount", || {
+        let sas = sas.clone();
+        async move { sas.get_opt("default").await.ok().flatten() }
+    })
+    .await
+    .expect("the serviceaccount controller creates `default`");
+    let (ok, _, err) = cluster
+        .kubectl(&["create", "--dry-run=server", "-f", "-"], Some(&pod.to_string()))
+        .expect("kubectl");
+    (ok, err)
+}
+
 fn mark(timings: &mut Vec<(String, String)>, what: &str, since: Instant) {
     timings.push((what.to_owned(), format!("{:.1} s", since.elapsed().as_secs_f64())));
 }
@@ -463,58 +522,16 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
         );
     }
 
-    // Pod Security level baseline rejects the agent's pod (a server-side dry run of its template).
-    cluster
-        .kubectl_ok(&["create", "namespace", "psa-baseline"], None)
-        .expect("namespace");
-    cluster
-        .kubectl_ok(
-            &[
-                "label",
-                "namespace",
-                "psa-baseline",
-                "pod-security.kubernetes.io/enforce=baseline",
-            ],
-            None,
-        )
-        .expect("label");
-    let ds: serde_json::Value = serde_json::from_str(
-        &cluster
-            .kubectl_ok(
-                &["get", "daemonset", "-n", SY, "switchyard-agent", "-o", "json"],
-                None,
-            )
-            .expect("get the agent DaemonSet"),
-    )
-    .expect("DaemonSet JSON");
-    let mut spec = ds["spec"]["template"]["spec"].clone();
-    spec["serviceAccountName"] = json!("default");
-    spec["automountServiceAccountToken"] = json!(false);
-    let probe_pod = json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "agent-psa", "namespace": "psa-baseline"}, "spec": spec});
-    let sas_psa: Api<ServiceAccount> =
-        Api::namespaced(cluster.client().await.expect("admin"), "psa-baseline");
-    eventually(
-        Duration::from_secs(60),
-        "default ServiceAccount in psa-baseline",
-        || {
-            let sas = sas_psa.clone();
-            async move { sas.get_opt("default").await.ok().flatten() }
-        },
-    )
-    .await
-    .expect("the serviceaccount controller creates `default`");
-    let (ok, _, err) = cluster
-        .kubectl(
-            &["create", "--dry-run=server", "-f", "-"],
-            Some(&probe_pod.to_string()),
-        )
-        .expect("kubectl");
+    // Pod Security: level baseline rejects the agent's pod, restricted admits the operator's
+    // (server-side dry runs of the chart's pod templates).
+    let (ok, err) = pod_security_dry_run(&cluster, "agent", "baseline").await;
     assert!(
         !ok && err.contains("violates PodSecurity \"baseline:latest\"") && err.contains("hostNetwork=true"),
         "Pod Security baseline rejects the agent's pod: {err}"
     );
     println!("the agent's pod under Pod Security baseline: {}", err.trim());
+    let (ok, err) = pod_security_dry_run(&cluster, "operator", "restricted").await;
+    assert!(ok, "Pod Security restricted admits the operator's pod: {err}");
 
     // --- 2. NodeProxies registered by the Pod agents. ---
     let admin = cluster.client().await.expect("admin client");
