@@ -81,9 +81,11 @@ fn unwrap_descriptions(value: &mut serde_json::Value) {
 /// label value has at most 63 characters.
 pub const MAX_POLICY_NAME: usize = 63;
 
-/// The CEL rule (and its message) on the ProxyPolicy root that bounds the name.
+/// The CEL rule (and its message) on the ProxyPolicy root that bounds the name. Checked on create
+/// only (names are immutable; `optionalOldSelf`): a root rule would otherwise also refuse the
+/// status writes that report an over-long name stored before the rule existed.
 const POLICY_NAME_RULE: (&str, &str) = (
-    "self.metadata.name.size() <= 63",
+    "oldSelf.hasValue() || self.metadata.name.size() <= 63",
     "metadata.name of a ProxyPolicy must be at most 63 characters (the operator labels each NodeProxy with it); choose a shorter name",
 );
 

@@ -11,7 +11,8 @@
 //! - **Every label selector** (the policy's, each wave's, each probe's) gets the same size bounds
 //!   and the same CEL rules: operators In/NotIn/Exists/DoesNotExist only, values required for
 //!   In/NotIn and forbidden for Exists/DoesNotExist, valid label keys and values.
-//! - **Condition status** is one of True, False, Unknown.
+//! - **Conditions** as metav1.Condition constrains them: status True, False or Unknown; type,
+//!   reason and message patterns and lengths.
 
 use serde_json::{Map, Value, json};
 
@@ -39,6 +40,9 @@ pub fn harden(value: &mut Value, root_rules: &[(&str, &str)]) {
         if let Some(Value::Object(root)) = version.pointer_mut("/schema/openAPIV3Schema") {
             for (rule, message) in root_rules {
                 add_rule(root, rule, message);
+                if rule.contains("oldSelf") {
+                    mark_optional_old_self(root);
+                }
             }
         }
     }
@@ -59,6 +63,17 @@ fn walk(value: &mut Value) {
         }
         Value::Array(items) => items.iter_mut().for_each(walk),
         _ => {}
+    }
+}
+
+/// Sets `optionalOldSelf` on the last rule of `schema` (a rule that also runs on create).
+fn mark_optional_old_self(schema: &mut Map<String, Value>) {
+    if let Some(Value::Object(rule)) = schema
+        .get_mut("x-kubernetes-validations")
+        .and_then(Value::as_array_mut)
+        .and_then(|r| r.last_mut())
+    {
+        rule.insert("optionalOldSelf".into(), json!(true));
     }
 }
 
@@ -110,9 +125,27 @@ fn is_condition(map: &Map<String, Value>) -> bool {
     })
 }
 
+/// The constraints metav1.Condition declares in Kubernetes (its kubebuilder markers).
 fn restrict_condition_status(map: &mut Map<String, Value>) {
-    if let Some(Value::Object(status)) = map.get_mut("properties").and_then(|p| p.get_mut("status")) {
-        status.insert("enum".into(), json!(["True", "False", "Unknown"]));
+    let Some(Value::Object(props)) = map.get_mut("properties") else {
+        return;
+    };
+    let constraints = [
+        ("status", json!({"enum": ["True", "False", "Unknown"]})),
+        (
+            "type",
+            json!({"maxLength": 316, "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"}),
+        ),
+        (
+            "reason",
+            json!({"minLength": 1, "maxLength": 1024, "pattern": "^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"}),
+        ),
+        ("message", json!({"maxLength": 32768})),
+    ];
+    for (field, extra) in constraints {
+        if let (Some(Value::Object(f)), Value::Object(extra)) = (props.get_mut(field), extra) {
+            f.extend(extra);
+        }
     }
 }
 

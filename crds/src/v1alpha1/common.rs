@@ -110,6 +110,7 @@ pub struct ProxySettings {
     /// Absent: handle only Services without that label, as kube-proxy does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$')").message("proxy.serviceProxyName must be a label value: alphanumerics, '-', '_' or '.', starting and ending alphanumeric"))]
     pub service_proxy_name: Option<String>,
 
     /// Connection-tracking settings written to the node's sysctls.
