@@ -582,11 +582,21 @@ async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceNa
                 name: name.clone(),
             });
         } else if let Some(sel) = &p.selector {
+            let exprs = sel.match_expressions.iter().flatten().map(|e| {
+                let values = e.values.as_deref().unwrap_or_default().join(",");
+                match e.operator.as_str() {
+                    "In" => format!("{} in ({values})", e.key),
+                    "NotIn" => format!("{} notin ({values})", e.key),
+                    "Exists" => e.key.clone(),
+                    _ => format!("!{}", e.key), // DoesNotExist: the schema admits no other operator
+                }
+            });
             let labels = sel
                 .match_labels
                 .iter()
                 .flatten()
                 .map(|(k, v)| format!("{k}={v}"))
+                .chain(exprs)
                 .collect::<Vec<_>>()
                 .join(",");
             let api: Api<Service> = Api::namespaced(client.clone(), &p.namespace);
