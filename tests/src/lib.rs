@@ -3,7 +3,8 @@
 //! ([`binaries`]). Everything it starts it stops, also on panic (Drop), and a new run sweeps what a
 //! crashed run left behind ([`sweep`]). The real-node tier ([`cluster`]) adds
 //! kube-controller-manager, kube-scheduler, and a containerd and kubelet in every node
-//! ([`kubelet`]), with images packed and loaded from archives ([`images`]).
+//! ([`kubelet`]), with images packed and loaded from archives ([`images`]). [`kube_proxy`] runs the
+//! real kube-proxy in a namespace node (the incumbent of the takeover tests).
 
 pub mod agent;
 pub mod binaries;
@@ -11,6 +12,7 @@ pub mod cluster;
 pub mod controlplane;
 pub mod images;
 pub mod kernel;
+pub mod kube_proxy;
 pub mod kubelet;
 pub mod logs;
 pub mod netns;
