@@ -27,6 +27,19 @@
 //! - **Approval** of a wave: annotation `approve.switchyard.dev/<wave>: "<generation>"` on the
 //!   ProxyPolicy, valid only for the current `metadata.generation`.
 //!
+//! # Input it cannot use
+//! No stored object stops the operator. NodeProxies and ProxyPolicies are watched untyped and
+//! decoded one by one ([`decode`]): an object the typed structs cannot read is left out of the
+//! caches, logged with its name, counted in `switchyard_operator_decode_failures_total{kind}` and
+//! `switchyard_operator_undecodable_objects{kind}`, and (a policy) gets a Warning Event
+//! `Undecodable`; every other object is reconciled as usual. A policy that decodes but holds a
+//! value the operator cannot use (stored before the schema rejected it: a count out of range, a
+//! selector operator other than In/NotIn/Exists/DoesNotExist, an unknown time zone, a name over
+//! 63 characters) gets `InvalidSpec=True` with each field and its fix, a Warning Event, and starts
+//! nothing new ([`planner::validate`]); `switchyard.dev` annotations it does not act on (an
+//! approval for a wave that does not exist, `switchyard.dev/rollback: now`) get
+//! `UnknownAnnotations=True` and an Event. An empty wave that requires approval waits for it.
+//!
 //! # Layout
 //! - [`planner`]: the pure wave planner (all decisions, table-tested).
 //! - [`controller`]: watch caches, leader election (Lease, kube-lease-manager), the kube-runtime
@@ -35,6 +48,7 @@
 //!   backoff and the API reachability shown on `/healthz` and `/metrics`.
 //! - [`fleet`]: releasing nodes whose policy is gone ([`planner::lifecycle`] documents the outcome)
 //!   and restoring the spec of re-created NodeProxies.
+//! - [`decode`]: typed views of untyped watches (one undecodable object never fails a list).
 //! - [`context`], [`metrics`], [`error`].
 //!
 //! # Control-plane outages
