@@ -22,7 +22,7 @@ use std::{
 
 use serde_json::json;
 use switchyard_e2e::{
-    agent::{Agent, TestEnv, agent_token},
+    agent::{Agent, TestEnv, agent_token, node_token},
     eventually, kernel,
     kube_proxy::{KubeProxy, Mode},
     netns::{Cluster, Node},
@@ -341,6 +341,33 @@ async fn takeover(mode: Mode) {
     }
     // The parity cell again, with the agent.
     expect_parity("switchyard", &parity(&nodes[0]));
+    if let Mode::Iptables(_) = mode {
+        // kube-proxy's `--iptables-localhost-nodeports=false`: refused at once (a reset, not a
+        // timeout), while the NodePort keeps answering on the node's address.
+        drop(env.agents.remove(0));
+        let token = node_token(&env.cp, &nodes[0].name).await.expect("token");
+        let mut args = agent_args.clone();
+        args.push("--iptables-localhost-nodeports=false");
+        env.agents
+            .push(Agent::start(&env.cp, &nodes[0], &token, &args).expect("agent"));
+        let local = sa([127, 0, 0, 1], NODE_PORT);
+        let refused = eventually(Duration::from_secs(60), "127.0.0.1 NodePort refused", || async {
+            let o = probe(&nodes[0].netns, local, false, 3, 2000).ok()?;
+            o.iter().all(|o| *o == Outcome::Refused).then_some(o)
+        })
+        .await;
+        assert!(
+            refused.is_ok(),
+            "{run}: with --iptables-localhost-nodeports=false: {:?}\nagent log:\n{}",
+            probe(&nodes[0].netns, local, false, 3, 2000),
+            env.agents.last().expect("agent").log_text()
+        );
+        let o = probe(&nodes[1].netns, sa(nodes[0].ip, NODE_PORT), false, 5, 1000).expect("probe");
+        assert!(
+            o.iter().all(|o| o.server().is_some()),
+            "{run}: NodePort on the node IP: {o:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
