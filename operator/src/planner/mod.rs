@@ -342,7 +342,11 @@ pub fn plan(
     for node in nodes {
         let mut winner: Option<usize> = None;
         for &p in &rank {
-            if !selectors[p].matches(&node.labels) {
+            // A name too long for the NodeProxy label cannot govern a node (InvalidSpec says so):
+            // it must not take nodes from the policies that can.
+            if !selectors[p].matches(&node.labels)
+                || policies[p].name.len() > switchyard_crds::MAX_POLICY_NAME
+            {
                 continue;
             }
             match winner {

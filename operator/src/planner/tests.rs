@@ -598,6 +598,24 @@ fn unusable_values_hold_the_rollout_with_a_condition() {
 }
 
 #[test]
+fn a_policy_named_too_long_for_a_label_governs_no_node() {
+    let spec = json!({"nodeSelector": {}, "mode": "nftables", "priority": 10});
+    let long = "l".repeat(64);
+    let mut sim = Sim::new(
+        vec![
+            policy(&long, spec.clone()),
+            policy("short", json!({"nodeSelector": {}, "mode": "nftables"})),
+        ],
+        2,
+        IPT,
+    );
+    sim.step();
+    assert_eq!(sim.pp(&long).status.target_nodes, 0);
+    assert_eq!(sim.pp("short").status.target_nodes, 2);
+    assert_eq!(sim.condition(&long, "InvalidSpec").0, "True");
+}
+
+#[test]
 fn unknown_annotations_are_reported() {
     let spec = json!({"nodeSelector": {}, "mode": "nftables"});
     let mut p = policy("p", spec);
