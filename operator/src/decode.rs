@@ -150,3 +150,55 @@ fn convert<K: DeserializeOwned>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use switchyard_crds::v1alpha1::ProxyPolicy;
+
+    fn object(name: &str, mode: serde_json::Value) -> DynamicObject {
+        serde_json::from_value(json!({
+            "apiVersion": "switchyard.dev/v1alpha1", "kind": "ProxyPolicy",
+            "metadata": {"name": name, "resourceVersion": "1"},
+            "spec": {"nodeSelector": {}, "mode": mode, "rollout": {"maxUnavailable": null}},
+        }))
+        .expect("object")
+    }
+
+    #[tokio::test]
+    async fn one_undecodable_object_leaves_the_others_in_the_list() {
+        let metrics = Arc::new(Metrics::new());
+        let bad = Undecodable::new("ProxyPolicy", metrics.clone());
+        let events = vec![
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitApply(object("good", json!("nftables")))),
+            Ok(watcher::Event::InitApply(object("broken", json!(42)))),
+            Ok(watcher::Event::InitDone),
+        ];
+        let out: Vec<_> = typed::<ProxyPolicy, _>(futures::stream::iter(events), bad.clone())
+            .collect()
+            .await;
+        let names: Vec<String> = out
+            .iter()
+            .filter_map(|e| match e {
+                Ok(watcher::Event::InitApply(p)) => Some(p.name_any()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(names, ["good"]);
+        assert_eq!(out.len(), 3, "Init, the good object, InitDone");
+        assert!(bad.contains("broken"));
+        assert!(
+            metrics
+                .encode()
+                .contains("switchyard_operator_undecodable_objects{kind=\"ProxyPolicy\"} 1")
+        );
+        bad.cleared("broken");
+        assert!(
+            metrics
+                .encode()
+                .contains("switchyard_operator_undecodable_objects{kind=\"ProxyPolicy\"} 0")
+        );
+    }
+}
