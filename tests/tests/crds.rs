@@ -113,12 +113,20 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "bad-label-key",
-            variant("bad-label-key", "      pool: general\n", "      \"pool name\": general\n"),
+            variant(
+                "bad-label-key",
+                "      pool: general\n",
+                "      \"pool name\": general\n",
+            ),
             r#"spec.nodeSelector: Invalid value: matchLabels keys must be label keys"#,
         ),
         (
             "bad-label-value",
-            variant("bad-label-value", "      pool: general\n", "      pool: \"-general\"\n"),
+            variant(
+                "bad-label-value",
+                "      pool: general\n",
+                "      pool: \"-general\"\n",
+            ),
             r#"spec.nodeSelector: Invalid value: matchLabels values must be label values"#,
         ),
         (
@@ -159,7 +167,10 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "name-64-characters-long-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-            BASE.replace("NAME", "name-64-characters-long-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"),
+            BASE.replace(
+                "NAME",
+                "name-64-characters-long-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            ),
             r#"metadata.name of a ProxyPolicy must be at most 63 characters"#,
         ),
         (
@@ -345,7 +356,16 @@ async fn crds_install_validate_print_and_explain() {
     cp.kubectl_ok(&["create", "-f", "-"], Some(&nulls))
         .expect("a policy with null fields is accepted");
     let stored = cp
-        .kubectl_ok(&["get", "proxypolicy", "nulls", "-o", "jsonpath={.spec.rollout.maxUnavailable}|{.spec.fallback}"], None)
+        .kubectl_ok(
+            &[
+                "get",
+                "proxypolicy",
+                "nulls",
+                "-o",
+                "jsonpath={.spec.rollout.maxUnavailable}|{.spec.fallback}",
+            ],
+            None,
+        )
         .expect("get nulls");
     assert_eq!(stored, "1|");
 
