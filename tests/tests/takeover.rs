@@ -184,7 +184,26 @@ async fn takeover(mode: Mode) {
             }
         }
     }
-    // The parity cells, with kube-proxy.
+    // The parity cells, with kube-proxy. In nftables mode a test table counts packets to the
+    // unallocated address leaving node-1 (postrouting): a drop in the node keeps it at 0, routing
+    // it out of the node would not.
+    if mode == Mode::Nftables {
+        Cluster::exec(
+            &nodes[0].netns,
+            &[
+                "nft",
+                &format!(
+                    "add table ip swyt-watch; add chain ip swyt-watch out {{ type filter hook postrouting priority 0 ; }}; \
+                     add rule ip swyt-watch out ip daddr {UNALLOCATED} counter"
+                ),
+            ],
+        )
+        .expect("watch table");
+    }
+    let routed_out = || {
+        let t = Cluster::exec(&nodes[0].netns, &["nft", "list", "table", "ip", "swyt-watch"]).expect("watch");
+        !t.contains("counter packets 0 bytes 0")
+    };
     let parity = |node: &Node| match mode {
         Mode::Iptables(_) => {
             probe(&node.netns, sa([127, 0, 0, 1], NODE_PORT), false, 3, 2000).expect("probe")
@@ -203,11 +222,17 @@ async fn takeover(mode: Mode) {
             outcomes.iter().all(|o| o.server().is_some()),
             "{run}: {who}: 127.0.0.1:{NODE_PORT} from the node must be served: {outcomes:?}"
         ),
-        Mode::Nftables => assert_eq!(
-            outcomes,
-            [Outcome::Timeout],
-            "{run}: {who}: an unallocated Service-CIDR address must be dropped"
-        ),
+        Mode::Nftables => {
+            assert_eq!(
+                outcomes,
+                [Outcome::Timeout],
+                "{run}: {who}: an unallocated Service-CIDR address must be dropped"
+            );
+            assert!(
+                !routed_out(),
+                "{run}: {who}: the unallocated address was routed out of the node"
+            );
+        }
     };
     expect_parity("kube-proxy", &parity(&nodes[0]));
 
