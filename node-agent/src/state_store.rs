@@ -131,38 +131,6 @@ impl StateStore for StateFile {
     }
 }
 
-/// A store in memory for tests, whose writes can be made to fail.
-#[derive(Debug, Clone, Default)]
-pub struct MemoryStore {
-    /// What a load returns.
-    pub loaded: Option<Loaded>,
-    /// Every state stored, in order.
-    pub stored: std::sync::Arc<std::sync::Mutex<Vec<SwitchState>>>,
-    /// Writes fail while set.
-    pub fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl StateStore for MemoryStore {
-    fn load(&self) -> Loaded {
-        self.loaded.clone().unwrap_or(Loaded::Absent)
-    }
-
-    fn store(&mut self, state: &SwitchState) -> std::io::Result<()> {
-        if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(std::io::Error::other("injected store failure"));
-        }
-        if let Ok(mut v) = self.stored.lock() {
-            v.push(state.clone());
-        }
-        self.loaded = Some(Loaded::Valid(state.clone()));
-        Ok(())
-    }
-
-    fn location(&self) -> String {
-        "memory".into()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
