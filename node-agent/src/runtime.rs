@@ -384,6 +384,11 @@ async fn watch_node(client: Client, name: String, shared: Arc<Shared>) -> Result
     while let Some(item) = stream.next().await {
         let node = match watch_item(&shared, "node", item) {
             Some(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => node,
+            // Our Node is gone: not eligible (kube-proxy's /healthz fails while it is deleted).
+            Some(watcher::Event::Delete(_)) => {
+                shared.health.set_node_eligible(false);
+                continue;
+            }
             _ => continue,
         };
         shared.health.set_node_eligible(node_eligible(Some(&node)));
