@@ -71,7 +71,7 @@ impl Drop for Counter {
 
 fn client(netns: &str) -> Result<Counter> {
     let bin = binaries::workspace_bin("swy-echo")?;
-    let mut child = Command::new("ip")
+    let child = Command::new("ip")
         .args(["netns", "exec", netns])
         .arg(bin)
         .args([
@@ -91,17 +91,24 @@ fn client(netns: &str) -> Result<Counter> {
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| Error::Prerequisite(format!("start client: {e}")))?;
-    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    if let Some(out) = child.stdout.take() {
-        let (ok, failed) = (ok.clone(), failed.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(std::result::Result::ok) {
-                let counter = if line.starts_with("ok ") { &ok } else { &failed };
-                counter.fetch_add(1, Ordering::Relaxed);
-            }
-        });
+    Ok(Counter::of(child))
+}
+
+impl Counter {
+    /// Counts the `ok` and other lines `child` prints (one per attempt of `swy-echo client`).
+    fn of(mut child: std::process::Child) -> Self {
+        let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        if let Some(out) = child.stdout.take() {
+            let (ok, failed) = (ok.clone(), failed.clone());
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(std::result::Result::ok) {
+                    let counter = if line.starts_with("ok ") { &ok } else { &failed };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        Self { ok, failed, child }
     }
-    Ok(Counter { ok, failed, child })
 }
 
 /// One node's line in the live view.
@@ -158,6 +165,39 @@ async fn show(
         .iter()
         .any(|c| c.type_ == "Ready" && c.status == "True")
         && status.observed_generation == p.metadata.generation)
+}
+
+/// The live view until Ctrl-C (or SIGTERM): every 2 s while the rollout runs, then every 30 s,
+/// with the printer columns and some commands to try once it is Ready.
+async fn live_view<'a>(
+    admin: &kube::Client,
+    cp: &switchyard_e2e::controlplane::ControlPlane,
+    rows: impl Fn() -> Vec<NodeRow<'a>>,
+) -> Result<()> {
+    let policies: Api<ProxyPolicy> = Api::all(admin.clone());
+    let proxies: Api<NodeProxy> = Api::all(admin.clone());
+    let started = Instant::now();
+    let mut done_at: Option<Instant> = None;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| Error::Prerequisite(e.to_string()))?;
+    loop {
+        let ready = show(&policies, &proxies, started, &rows()).await?;
+        if ready && done_at.is_none() {
+            done_at = Some(Instant::now());
+            println!("rollout complete in {:.0}s.", started.elapsed().as_secs_f64());
+            println!("{}", cp.kubectl_ok(&["get", "proxypolicies"], None)?);
+            println!("{}", cp.kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)?);
+            print_hints(cp);
+        }
+        let pause = if done_at.is_some() {
+            Duration::from_secs(30)
+        } else {
+            Duration::from_secs(2)
+        };
+        if pause_or_stop(pause, &mut terminate).await {
+            return Ok(());
+        }
+    }
 }
 
 /// Waits `pause` or a stop signal; returns whether to stop.
@@ -229,15 +269,8 @@ async fn run() -> Result<()> {
         .kubectl_ok(&["apply", "-f", &sample.display().to_string()], None)?;
     println!("applied {}", sample.display());
 
-    let policies: Api<ProxyPolicy> = Api::all(admin.clone());
-    let proxies: Api<NodeProxy> = Api::all(admin.clone());
-    let started = Instant::now();
-    let mut done_at: Option<Instant> = None;
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| Error::Prerequisite(e.to_string()))?;
-    loop {
-        let rows: Vec<NodeRow<'_>> = env
-            .cluster
+    live_view(&admin, &env.cp, || {
+        env.cluster
             .nodes
             .iter()
             .zip(&counters)
@@ -248,27 +281,9 @@ async fn run() -> Result<()> {
                 ok: c.ok.load(Ordering::Relaxed),
                 failed: c.failed.load(Ordering::Relaxed),
             })
-            .collect();
-        let ready = show(&policies, &proxies, started, &rows).await?;
-        if ready && done_at.is_none() {
-            done_at = Some(Instant::now());
-            println!("rollout complete in {:.0}s.", started.elapsed().as_secs_f64());
-            println!("{}", env.cp.kubectl_ok(&["get", "proxypolicies"], None)?);
-            println!(
-                "{}",
-                env.cp.kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)?
-            );
-            print_hints(&env.cp);
-        }
-        let pause = if done_at.is_some() {
-            Duration::from_secs(30)
-        } else {
-            Duration::from_secs(2)
-        };
-        if pause_or_stop(pause, &mut terminate).await {
-            break;
-        }
-    }
+            .collect()
+    })
+    .await?;
     println!("stopping clients, agents and operator, deleting namespaces, stopping the control plane ...");
     drop(counters);
     drop(env);
@@ -364,7 +379,7 @@ spec:
 
     /// Counts the `ok` and failed lines of one client Pod's log stream (`kubectl logs -f`).
     fn follow(cluster: &KubeletCluster, pod: &str) -> Result<Counter> {
-        let mut child = Command::new(cluster.cp.bin.join("kubectl"))
+        let child = Command::new(cluster.cp.bin.join("kubectl"))
             .arg(format!(
                 "--kubeconfig={}",
                 cluster.cp.admin_kubeconfig().display()
@@ -374,17 +389,7 @@ spec:
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| Error::Prerequisite(format!("kubectl logs: {e}")))?;
-        let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        if let Some(out) = child.stdout.take() {
-            let (ok, failed) = (ok.clone(), failed.clone());
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(std::result::Result::ok) {
-                    let counter = if line.starts_with("ok ") { &ok } else { &failed };
-                    counter.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-        }
-        Ok(Counter { ok, failed, child })
+        Ok(Counter::of(child))
     }
 
     async fn install(cluster: &mut KubeletCluster) -> Result<()> {
@@ -480,14 +485,8 @@ spec:
         cluster.kubectl_ok(&["apply", "-f", &sample.display().to_string()], None)?;
         println!("applied {}", sample.display());
 
-        let policies: Api<ProxyPolicy> = Api::all(admin.clone());
-        let proxies: Api<NodeProxy> = Api::all(admin.clone());
-        let started = Instant::now();
-        let mut done_at: Option<Instant> = None;
-        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|e| Error::Prerequisite(e.to_string()))?;
-        loop {
-            let rows: Vec<NodeRow<'_>> = cluster
+        live_view(&admin, &cluster.cp, || {
+            cluster
                 .nodes
                 .iter()
                 .zip(POOLS)
@@ -500,27 +499,9 @@ spec:
                         failed: c.map_or(0, |c| c.failed.load(Ordering::Relaxed)),
                     }
                 })
-                .collect();
-            let ready = show(&policies, &proxies, started, &rows).await?;
-            if ready && done_at.is_none() {
-                done_at = Some(Instant::now());
-                println!("rollout complete in {:.0}s.", started.elapsed().as_secs_f64());
-                println!("{}", cluster.kubectl_ok(&["get", "proxypolicies"], None)?);
-                println!(
-                    "{}",
-                    cluster.kubectl_ok(&["get", "nodeproxies", "-o", "wide"], None)?
-                );
-                print_hints(&cluster.cp);
-            }
-            let pause = if done_at.is_some() {
-                Duration::from_secs(30)
-            } else {
-                Duration::from_secs(2)
-            };
-            if pause_or_stop(pause, &mut terminate).await {
-                break;
-            }
-        }
+                .collect()
+        })
+        .await?;
         println!("stopping the clients, uninstalling, stopping the kubelets, runtimes and control plane ...");
         drop(counters);
         drop(cluster);
