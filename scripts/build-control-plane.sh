@@ -78,16 +78,21 @@ build_kube() {
     sed -n '/^replace (/,/^)/p' "$modfile" | sed -n "s#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\t\1 => \1 $staging#p"
     echo ")"
   } > "$dir/go.mod"
-  for cmd in $KUBE_COMMANDS; do
-    [ -x "$bin/$cmd" ] && continue
-    local minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
-    local ldflags="-s -w"
-    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-      ldflags="$ldflags -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
-    done
-    (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$bin/$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd") && mv "$bin/$cmd.tmp" "$bin/$cmd"
+  local minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
+  local ldflags="-s -w" pkg pkgs=() out
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags="$ldflags -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+  done
+  for cmd in $KUBE_COMMANDS; do [ -x "$bin/$cmd" ] || pkgs+=("k8s.io/kubernetes/cmd/$cmd"); done
+  # One go build for all of them: their packages compile and the binaries link in parallel.
+  out=$(mktemp -d "$bin/.build.XXXXXX")
+  (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}")
+  for pkg in "${pkgs[@]}"; do
+    cmd=${pkg##*/}
+    mv "$out/$cmd" "$bin/$cmd"
     log "$cmd ready: $bin/$cmd"
   done
+  rmdir "$out"
 }
 
 build_helm() {

@@ -3,8 +3,12 @@
 # kernel userspace tools from apt (and lua5.1, which runs the Argo CD health checks in tests; runc,
 # the CNI plugins and a static busybox for the real-node tier's containers), then the Go-built
 # control plane, helm and the node tier's containerd/crictl (cached outside git).
+# --tools-only: only the apt tools and the checks (scripts/test.sh builds the Go binaries itself,
+# beside the Rust builds).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+tools_only=0
+[ "${1:-}" = --tools-only ] && tools_only=1
 
 need=()
 for tool in nft:nftables iptables-legacy:iptables iptables-nft:iptables ipset:ipset ip:iproute2 conntrack:conntrack sysctl:procps lua5.1:lua5.1 \
@@ -22,4 +26,4 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 command -v cargo >/dev/null 2>&1 || { echo "switchyard: cargo (Rust >= 1.89) is required: install it with rustup" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "switchyard: the demo and tests create network namespaces and need root" >&2; exit 1; }
-"$here/build-control-plane.sh" >/dev/null
+[ "$tools_only" = 1 ] || "$here/build-control-plane.sh" >/dev/null

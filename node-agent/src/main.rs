@@ -17,6 +17,11 @@ use switchyard_agent::{
 };
 use switchyard_crds::v1alpha1::ProxyMode;
 
+/// The image's static musl build allocates through mimalloc (see Cargo.toml).
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Switchyard node agent: the service proxy on a node (nftables or iptables).
 #[derive(Parser, Debug)]
 #[command(version, about)]
