@@ -233,6 +233,15 @@ pub enum BackendError {
         /// Its stderr.
         detail: String,
     },
+    /// A kernel adapter refused or failed (typed: not found, exists, busy, refused with errno).
+    #[error("{backend}: {source}")]
+    Sys {
+        /// Backend name.
+        backend: &'static str,
+        /// What the adapter said.
+        #[source]
+        source: crate::sys::KernelError,
+    },
     /// Netlink transport.
     #[error(transparent)]
     Agent(#[from] crate::Error),
@@ -291,6 +300,14 @@ pub trait Backend: Send {
     /// (empty: no drift).
     fn verify(&self) -> Result<Vec<String>, BackendError> {
         Ok(Vec::new())
+    }
+    /// Whether the driver may replace this backend, while it serves, by one built afresh with new
+    /// settings (node addresses, the policy's settings), which then syncs in full. A backend that
+    /// remembers more than a full sync restores says no and keeps the settings it was built with:
+    /// IPVS keeps real servers at weight 0 until their connections end, which a fresh backend
+    /// would forget. The default answers by mode; a backend may override it.
+    fn rebuild_with_new_settings(&self) -> bool {
+        self.mode() != switchyard_crds::v1alpha1::ProxyMode::Ipvs
     }
 }
 
