@@ -47,3 +47,25 @@ pub fn ours(netns: &str) -> Result<(bool, bool)> {
     let ipt = iptables_saves(netns, &[Family::V4])?;
     Ok((nft.contains("switchyard"), ipt.contains("SWY")))
 }
+
+#[cfg(test)]
+mod tests {
+    //! A broken listing (here: a namespace that does not exist, so `ip netns exec` fails) must be
+    //! an error in every helper: the absence checks built on them ("no SWY chain left") would
+    //! otherwise pass on an empty text.
+    use super::*;
+
+    const MISSING: &str = "swy-listing-check-no-such-netns";
+
+    #[test]
+    fn every_listing_fails_when_its_command_fails() {
+        assert!(nft_tables(MISSING).is_err(), "nft list tables");
+        assert!(nft_ruleset(MISSING).is_err(), "nft list ruleset");
+        assert!(iptables_saves(MISSING, &[Family::V4]).is_err(), "iptables saves v4");
+        assert!(iptables_saves(MISSING, &[Family::V6]).is_err(), "iptables saves v6");
+        for mode in ["nftables", "iptables"] {
+            assert!(backend_state(MISSING, mode, &[Family::V4]).is_err(), "{mode}");
+        }
+        assert!(ours(MISSING).is_err(), "ours()");
+    }
+}

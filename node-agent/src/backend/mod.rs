@@ -233,6 +233,15 @@ pub enum BackendError {
         /// Its stderr.
         detail: String,
     },
+    /// A kernel adapter refused or failed (typed: not found, exists, busy, refused with errno).
+    #[error("{backend}: {source}")]
+    Sys {
+        /// Backend name.
+        backend: &'static str,
+        /// What the adapter said.
+        #[source]
+        source: crate::sys::KernelError,
+    },
     /// Netlink transport.
     #[error(transparent)]
     Agent(#[from] crate::Error),
