@@ -13,6 +13,7 @@ pub mod driver;
 pub mod health;
 pub mod metrics;
 pub mod model;
+pub mod node_sysctls;
 pub mod probe;
 pub mod report;
 pub mod runtime;
