@@ -1,17 +1,36 @@
 //! The switch driver: owns the backends, runs [`crate::switch`]'s steps against the kernel,
 //! persists progress (write-ahead, before each effect) and runs the health gate's probes.
+//!
+//! Its parts are injected ([`Parts`]): the backends come from a [`BackendFactory`], the state
+//! from a [`StateStore`] whose failure aborts the step, the probe rounds from a [`Prober`], and a
+//! [`FaultHook`] runs after each store.
+//!
+//! # Guarantees
+//! - Write-ahead: a step's phase is stored before its effect runs; when the store fails the
+//!   state stays as it was, the effect does not run, and no later step runs until a store
+//!   succeeds.
+//! - Make before break: at cut-over the target's entry points open before the old ones close.
+//! - A finished switch (succeeded, rolled back, refused) leaves one backend's objects.
+
+mod parts;
+#[cfg(test)]
+mod tests;
 
 use std::{
     collections::BTreeMap,
-    net::{SocketAddr, TcpStream},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchPhase};
 
+pub use parts::{
+    BackendFactory, FaultHook, KernelBackends, NoFaults, Parts, PauseAfter, Prober, TcpProber, probe_round,
+};
+
 use crate::{
-    backend::{self, Backend, BackendError, Presence, Settings, SyncStats},
-    model::{Changes, DualSnapshot, Protocol, ServiceName},
+    backend::{Backend, BackendError, Presence, Settings, SyncStats},
+    model::{Changes, DualSnapshot, ServiceName},
     state_store::{Loaded, StateStore},
     switch::{self, Desired, Gate, GateProgress, Phase, Step, SwitchState},
 };
@@ -44,9 +63,15 @@ pub struct StateProblem {
     pub message: String,
 }
 
+/// The reason of a failed store.
+const UNWRITABLE: &str = "StateFileUnwritable";
+
 /// The driver.
 pub struct Driver {
     backends: BTreeMap<ProxyMode, Box<dyn Backend>>,
+    factory: Box<dyn BackendFactory>,
+    prober: Box<dyn Prober>,
+    faults: Arc<dyn FaultHook>,
     /// Persisted state.
     pub state: SwitchState,
     store: Box<dyn StateStore>,
@@ -57,7 +82,6 @@ pub struct Driver {
     /// The in-memory state is ahead of the store (a store after an effect failed): retried.
     unsaved: bool,
     settings: Settings,
-    iptables_variant: String,
     /// The mode of `--mode`, used when neither the store nor the kernel says more.
     initial: ProxyMode,
     recovered: bool,
@@ -84,29 +108,44 @@ fn phase_api(p: Phase) -> SwitchPhase {
     }
 }
 
+fn gate_of(gate: &HealthGate) -> Gate {
+    Gate {
+        min_healthy: Duration::from_secs(u64::from(gate.min_healthy_seconds)),
+        timeout: Duration::from_secs(u64::from(gate.timeout_seconds)),
+        failure_threshold: gate.failure_threshold.max(1),
+    }
+}
+
 impl Driver {
-    /// A driver starting from the persisted state (or Active in `initial`); the first sync checks
-    /// that state against the kernel before anything is programmed.
+    /// A driver on the kernel's backends ([`Parts::kernel`]) persisting to `store`.
     pub fn new(
         store: Box<dyn StateStore>,
         initial: ProxyMode,
         settings: Settings,
         iptables_variant: String,
     ) -> Self {
-        let loaded = store.load();
+        Self::with_parts(Parts::kernel(store, iptables_variant), initial, settings)
+    }
+
+    /// A driver starting from the persisted state (or Active in `initial`); the first sync checks
+    /// that state against the kernel before anything is programmed.
+    pub fn with_parts(parts: Parts, initial: ProxyMode, settings: Settings) -> Self {
+        let loaded = parts.store.load();
         let state = match &loaded {
             Loaded::Valid(state) => state.clone(),
             Loaded::Absent | Loaded::Corrupt(_) => SwitchState::active(initial),
         };
         Self {
             backends: BTreeMap::new(),
+            factory: parts.backends,
+            prober: parts.prober,
+            faults: parts.faults,
             state,
-            store,
+            store: parts.store,
             loaded: Some(loaded),
             state_problem: None,
             unsaved: false,
             settings,
-            iptables_variant,
             initial,
             recovered: false,
             cut_over_at: None,
@@ -130,10 +169,10 @@ impl Driver {
     }
 
     fn backend(&mut self, mode: ProxyMode) -> &mut Box<dyn Backend> {
-        let (settings, variant) = (self.settings.clone(), self.iptables_variant.clone());
+        let (factory, settings) = (&self.factory, &self.settings);
         self.backends
             .entry(mode)
-            .or_insert_with(|| backend::new_backend(mode, settings, &variant))
+            .or_insert_with(|| factory.build(mode, settings))
     }
 
     /// New settings (node addresses, CIDR): rebuild the backends, next sync is full.
@@ -141,6 +180,19 @@ impl Driver {
         if settings != self.settings {
             self.settings = settings;
             self.backends.clear();
+        }
+    }
+
+    /// Takes new settings where that is safe: not during a switch (they wait for its end), and
+    /// only if the serving backend may be rebuilt ([`Backend::rebuild_with_new_settings`];
+    /// otherwise it keeps the settings it was built with).
+    pub fn update_settings(&mut self, settings: Settings) {
+        if self.switching() || settings == self.settings {
+            return;
+        }
+        let active = self.state.active;
+        if self.backend(active).rebuild_with_new_settings() {
+            self.set_settings(settings);
         }
     }
 
@@ -153,17 +205,17 @@ impl Driver {
                 if self
                     .state_problem
                     .as_ref()
-                    .is_some_and(|p| p.reason == "StateFileUnwritable")
+                    .is_some_and(|p| p.reason == UNWRITABLE)
                 {
                     self.state_problem = None;
                 }
-                fault_pause(self.state.phase);
+                self.faults.persisted(self.state.phase);
                 true
             }
             Err(e) => {
                 tracing::error!(store = %self.store.location(), error = %e, phase = ?self.state.phase, "cannot persist the switch state");
                 self.state_problem = Some(StateProblem {
-                    reason: "StateFileUnwritable",
+                    reason: UNWRITABLE,
                     message: format!(
                         "cannot write {}: {e}; switch steps wait until it can be written",
                         self.store.location()
@@ -185,6 +237,38 @@ impl Driver {
             self.state = previous;
             false
         }
+    }
+
+    /// Records a finished switch for status.
+    fn finish(
+        &mut self,
+        from: ProxyMode,
+        to: ProxyMode,
+        result: &'static str,
+        reason: String,
+        token: Option<String>,
+    ) {
+        self.last = Some(Finished {
+            from,
+            to,
+            result,
+            reason,
+            token,
+            started: self.started.take(),
+            finished: k8s_openapi::jiff::Timestamp::now(),
+        });
+    }
+
+    /// Active in `active` again after a switch that answered `token`.
+    fn settle(&mut self, active: ProxyMode, token: Option<String>) {
+        self.state = SwitchState {
+            phase: Phase::Active,
+            active,
+            target: None,
+            token: None,
+            answered: token,
+            restarts: 0,
+        };
     }
 
     /// Syncs every present backend (the serving one, and the target during a switch). On the
@@ -217,7 +301,7 @@ impl Driver {
         ProxyMode::ALL
             .iter()
             .map(|&mode| {
-                let b = backend::new_backend(mode, self.settings.clone(), &self.iptables_variant);
+                let b = self.factory.build(mode, &self.settings);
                 let presence = b.presence().unwrap_or_else(|e| {
                     tracing::warn!(%mode, error = %e, "cannot read this backend's kernel state; taking it as absent");
                     Presence::Absent
@@ -227,50 +311,49 @@ impl Driver {
             .collect()
     }
 
-    /// The first sync: checks the persisted state against the kernel (an unreadable or stale
-    /// state never decides alone), then programs the backend that must serve and removes every
-    /// other backend's objects.
-    fn recover(&mut self, snapshot: &DualSnapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
-        if let Some(loaded) = self.loaded.take() {
-            let kernel = self.kernel_view();
-            let start = switch::start_state(&loaded, &kernel, self.initial);
-            tracing::info!(?kernel, store = %self.store.location(), serving = %start.state.active, "start state");
-            if let Some((reason, message)) = start.problem {
-                tracing::warn!(reason, %message, "the persisted switch state is not trusted");
-                self.state_problem = Some(StateProblem { reason, message });
-            }
-            if let Some((result, reason)) = start.result {
-                self.last = Some(Finished {
-                    from: self.state.active,
-                    to: start.state.active,
-                    result,
-                    reason,
-                    token: start.state.answered.clone(),
-                    started: None,
-                    finished: k8s_openapi::jiff::Timestamp::now(),
-                });
-            }
-            self.state = start.state;
+    /// Checks what the store held at start against the kernel (an unreadable or stale state
+    /// never decides alone) and takes the start state.
+    fn reconcile_loaded(&mut self) {
+        let Some(loaded) = self.loaded.take() else { return };
+        let kernel = self.kernel_view();
+        let start = switch::start_state(&loaded, &kernel, self.initial);
+        tracing::info!(?kernel, store = %self.store.location(), serving = %start.state.active, "start state");
+        if let Some((reason, message)) = start.problem {
+            tracing::warn!(reason, %message, "the persisted switch state is not trusted");
+            self.state_problem = Some(StateProblem { reason, message });
         }
+        if let Some((result, reason)) = start.result {
+            let (from, to, token) = (
+                self.state.active,
+                start.state.active,
+                start.state.answered.clone(),
+            );
+            self.started = None;
+            self.finish(from, to, result, reason, token);
+        }
+        self.state = start.state;
+    }
+
+    /// The first sync: reconciles the persisted state with the kernel, then programs the backend
+    /// that must serve and removes every other backend's objects.
+    fn recover(&mut self, snapshot: &DualSnapshot, changes: &Changes) -> Result<SyncStats, BackendError> {
+        self.reconcile_loaded();
         let r = switch::recover(&self.state);
         let serve = r.serve;
         let b = self.backend(serve);
         b.set_bypass(false)?;
         let stats = b.sync(snapshot, changes, true)?;
         for mode in r.remove {
-            let mut other = backend::new_backend(mode, self.settings.clone(), &self.iptables_variant);
-            other.cleanup()?;
+            self.factory.build(mode, &self.settings).cleanup()?;
         }
         if let Some((result, reason)) = r.result {
-            self.last = Some(Finished {
-                from: self.state.active,
-                to: self.state.target.unwrap_or(serve),
-                result,
-                reason,
-                token: self.state.token.clone(),
-                started: None,
-                finished: k8s_openapi::jiff::Timestamp::now(),
-            });
+            let (from, to, token) = (
+                self.state.active,
+                self.state.target.unwrap_or(serve),
+                self.state.token.clone(),
+            );
+            self.started = None;
+            self.finish(from, to, result, reason, token);
         }
         if self.state.phase != Phase::Active {
             tracing::warn!(phase = ?self.state.phase, serving = %serve, "recovered an interrupted switch");
@@ -294,158 +377,152 @@ impl Driver {
         if !self.recovered || (self.unsaved && !self.persist()) {
             return false; // write-ahead: no step while the store is behind
         }
-        let g = Gate {
-            min_healthy: Duration::from_secs(u64::from(gate.min_healthy_seconds)),
-            timeout: Duration::from_secs(u64::from(gate.timeout_seconds)),
-            failure_threshold: gate.failure_threshold.max(1),
-        };
         let progress = GateProgress {
             elapsed: self.cut_over_at.map(|t| t.elapsed()).unwrap_or_default(),
             healthy_for: self.healthy_since.map(|t| t.elapsed()).unwrap_or_default(),
             consecutive_failures: self.failures,
         };
-        let step = switch::decide(&self.state, desired, supported, g, progress);
-        match step {
+        match switch::decide(&self.state, desired, supported, gate_of(gate), progress) {
             Step::Idle => false,
-            Step::Refuse { reason } => {
-                let to = desired.map(|d| d.mode).unwrap_or(self.state.active);
-                tracing::warn!(%reason, "switch refused");
-                let answered = SwitchState {
-                    answered: desired.and_then(|d| d.token.clone()),
-                    ..self.state.clone()
-                };
-                if !self.commit(answered) {
-                    return false;
-                }
-                self.last = Some(Finished {
-                    from: self.state.active,
-                    to,
-                    result: "Failed",
-                    reason,
-                    token: self.state.answered.clone(),
-                    started: self.started.take(),
-                    finished: k8s_openapi::jiff::Timestamp::now(),
-                });
-                false
-            }
-            Step::Prepare { target, token } => {
-                tracing::info!(from = %self.state.active, to = %target, ?token, "switch: preparing");
-                let preparing = SwitchState {
-                    phase: Phase::Preparing,
-                    target: Some(target),
-                    token,
-                    ..self.state.clone()
-                };
-                if !self.commit(preparing) {
-                    return false;
-                }
-                self.started = Some(k8s_openapi::jiff::Timestamp::now());
-                let result = {
-                    let b = self.backend(target);
-                    b.set_bypass(true)
-                        .and_then(|()| b.sync(snapshot, &Changes::default(), true))
-                };
-                match result {
-                    Ok(_) => true,
-                    Err(e) => self.roll_back(snapshot, format!("programming {target} failed: {e}")),
-                }
-            }
-            Step::CutOver => {
-                let (from, Some(to)) = (self.state.active, self.state.target) else {
-                    return false;
-                };
-                if !self.commit(SwitchState {
-                    phase: Phase::CutOver,
-                    ..self.state.clone()
-                }) {
-                    return false;
-                }
-                // Make before break: the new entry points open before the old ones close.
-                let result = self
-                    .backend(to)
-                    .set_bypass(false)
-                    .and_then(|()| self.backend(from).set_bypass(true));
-                if let Err(e) = result {
-                    return self.roll_back(snapshot, format!("cut-over failed: {e}"));
-                }
-                tracing::info!(%from, %to, "switch: cut over, verifying");
-                self.state.phase = Phase::Verifying;
-                self.cut_over_at = Some(Instant::now());
-                self.healthy_since = None;
-                self.failures = 0;
-                // After the effect: a failed store is retried before the next step.
-                self.persist();
-                true
-            }
-            Step::Verify => {
-                let Some(to) = self.state.target else { return false };
-                let mut results = probe_round(snapshot, probe_targets);
-                match self.backend(to).verify() {
-                    Ok(drift) if drift.is_empty() => {}
-                    Ok(drift) => results.push(ProbeResult {
-                        target: format!("{to} rules"),
-                        ok: false,
-                        detail: Some(drift.join("; ")),
-                    }),
-                    Err(e) => results.push(ProbeResult {
-                        target: format!("{to} rules"),
-                        ok: false,
-                        detail: Some(e.to_string()),
-                    }),
-                }
-                if results.iter().all(|r| r.ok) {
-                    self.failures = 0;
-                    self.healthy_since.get_or_insert_with(Instant::now);
-                } else {
-                    self.failures += 1;
-                    self.healthy_since = None;
-                    tracing::warn!(failures = self.failures, probes = ?results, "health gate probe round failed");
-                }
-                if results != self.probes {
-                    self.dirty = true;
-                }
-                self.probes = results;
-                false
-            }
-            Step::Clean => {
-                let (from, Some(to)) = (self.state.active, self.state.target) else {
-                    return false;
-                };
-                if !self.commit(SwitchState {
-                    phase: Phase::Cleaning,
-                    ..self.state.clone()
-                }) {
-                    return false;
-                }
-                if let Err(e) = self.backend(from).cleanup() {
-                    tracing::error!(error = %e, "cleaning the old backend failed; will retry");
-                    return false;
-                }
-                self.backends.remove(&from);
-                let token = self.state.token.take();
-                self.state = SwitchState {
-                    phase: Phase::Active,
-                    active: to,
-                    target: None,
-                    token: None,
-                    answered: token.clone(),
-                    restarts: 0,
-                };
-                self.persist(); // after the effect: retried before the next step on failure
-                tracing::info!(%from, %to, "switch: done");
-                self.last = Some(Finished {
-                    from,
-                    to,
-                    result: "Succeeded",
-                    reason: "health gate passed".into(),
-                    token,
-                    started: self.started.take(),
-                    finished: k8s_openapi::jiff::Timestamp::now(),
-                });
-                false
-            }
+            Step::Refuse { reason } => self.refuse(desired, reason),
+            Step::Prepare { target, token } => self.prepare(target, token, snapshot),
+            Step::CutOver => self.cut_over(snapshot),
+            Step::Verify => self.verify(snapshot, probe_targets),
+            Step::Clean => self.clean(),
             Step::RollBack { reason } => self.roll_back(snapshot, reason),
         }
+    }
+
+    /// The node cannot run the desired mode: answers the token with a failure.
+    fn refuse(&mut self, desired: Option<&Desired>, reason: String) -> bool {
+        let to = desired.map(|d| d.mode).unwrap_or(self.state.active);
+        tracing::warn!(%reason, "switch refused");
+        let answered = SwitchState {
+            answered: desired.and_then(|d| d.token.clone()),
+            ..self.state.clone()
+        };
+        if self.commit(answered) {
+            let (from, token) = (self.state.active, self.state.answered.clone());
+            self.finish(from, to, "Failed", reason, token);
+        }
+        false
+    }
+
+    /// Programs the target backend in full, bypassed (no packet enters it yet).
+    fn prepare(&mut self, target: ProxyMode, token: Option<String>, snapshot: &DualSnapshot) -> bool {
+        tracing::info!(from = %self.state.active, to = %target, ?token, "switch: preparing");
+        let preparing = SwitchState {
+            phase: Phase::Preparing,
+            target: Some(target),
+            token,
+            ..self.state.clone()
+        };
+        if !self.commit(preparing) {
+            return false;
+        }
+        self.started = Some(k8s_openapi::jiff::Timestamp::now());
+        let b = self.backend(target);
+        let result = b
+            .set_bypass(true)
+            .and_then(|()| b.sync(snapshot, &Changes::default(), true));
+        match result {
+            Ok(_) => true,
+            Err(e) => self.roll_back(snapshot, format!("programming {target} failed: {e}")),
+        }
+    }
+
+    /// Swaps the entry points, make before break, and starts the health gate.
+    fn cut_over(&mut self, snapshot: &DualSnapshot) -> bool {
+        let (from, Some(to)) = (self.state.active, self.state.target) else {
+            return false;
+        };
+        if !self.commit(SwitchState {
+            phase: Phase::CutOver,
+            ..self.state.clone()
+        }) {
+            return false;
+        }
+        // Make before break: the new entry points open before the old ones close.
+        let result = self
+            .backend(to)
+            .set_bypass(false)
+            .and_then(|()| self.backend(from).set_bypass(true));
+        if let Err(e) = result {
+            return self.roll_back(snapshot, format!("cut-over failed: {e}"));
+        }
+        tracing::info!(%from, %to, "switch: cut over, verifying");
+        self.state.phase = Phase::Verifying;
+        self.cut_over_at = Some(Instant::now());
+        self.healthy_since = None;
+        self.failures = 0;
+        // After the effect: a failed store is retried before the next step.
+        self.persist();
+        true
+    }
+
+    /// The target's rules read back, as a probe result when they drifted (or cannot be read).
+    fn drift(&mut self, to: ProxyMode) -> Option<ProbeResult> {
+        let detail = match self.backend(to).verify() {
+            Ok(drift) if drift.is_empty() => return None,
+            Ok(drift) => drift.join("; "),
+            Err(e) => e.to_string(),
+        };
+        Some(ProbeResult {
+            target: format!("{to} rules"),
+            ok: false,
+            detail: Some(detail),
+        })
+    }
+
+    /// One health-gate round: the probes and the target's rules.
+    fn verify(&mut self, snapshot: &DualSnapshot, probe_targets: &[ServiceName]) -> bool {
+        let Some(to) = self.state.target else { return false };
+        let mut results = self.prober.probe(snapshot, probe_targets);
+        results.extend(self.drift(to));
+        if results.iter().all(|r| r.ok) {
+            self.failures = 0;
+            self.healthy_since.get_or_insert_with(Instant::now);
+        } else {
+            self.failures += 1;
+            self.healthy_since = None;
+            tracing::warn!(failures = self.failures, probes = ?results, "health gate probe round failed");
+        }
+        if results != self.probes {
+            self.dirty = true;
+        }
+        self.probes = results;
+        false
+    }
+
+    /// The gate passed: removes the old backend; the target serves alone.
+    fn clean(&mut self) -> bool {
+        let (from, Some(to)) = (self.state.active, self.state.target) else {
+            return false;
+        };
+        if !self.commit(SwitchState {
+            phase: Phase::Cleaning,
+            ..self.state.clone()
+        }) {
+            return false;
+        }
+        if let Err(e) = self.backend(from).cleanup() {
+            tracing::error!(error = %e, "cleaning the old backend failed; will retry");
+            return false;
+        }
+        self.backends.remove(&from);
+        let token = self.state.token.take();
+        self.settle(to, token.clone());
+        self.persist(); // after the effect: retried before the next step on failure
+        tracing::info!(%from, %to, "switch: done");
+        self.finish(from, to, "Succeeded", "health gate passed".into(), token);
+        false
+    }
+
+    /// Un-bypasses the old backend, re-synced in full.
+    fn restore(&mut self, from: ProxyMode, snapshot: &DualSnapshot) -> Result<(), BackendError> {
+        let b = self.backend(from);
+        b.set_bypass(false)?;
+        b.sync(snapshot, &Changes::default(), true).map(|_| ())
     }
 
     /// Returns to the old backend: un-bypass it (re-synced in full), bypass and remove the target.
@@ -459,12 +536,7 @@ impl Driver {
         if !self.persist() {
             return false;
         }
-        let restore = {
-            let b = self.backend(from);
-            b.set_bypass(false)
-                .and_then(|()| b.sync(snapshot, &Changes::default(), true).map(|_| ()))
-        };
-        if let Err(e) = restore {
+        if let Err(e) = self.restore(from, snapshot) {
             tracing::error!(error = %e, "rollback: restoring the old backend failed; will retry");
             return false;
         }
@@ -480,69 +552,10 @@ impl Driver {
             self.backends.remove(&to);
         }
         let token = self.state.token.take();
-        self.state = SwitchState {
-            phase: Phase::Active,
-            active: from,
-            target: None,
-            token: None,
-            answered: token.clone(),
-            restarts: 0,
-        };
+        self.settle(from, token.clone());
         self.cut_over_at = None;
         self.persist(); // after the effect: retried before the next step on failure
-        self.last = Some(Finished {
-            from,
-            to,
-            result: "RolledBack",
-            reason,
-            token,
-            started: self.started.take(),
-            finished: k8s_openapi::jiff::Timestamp::now(),
-        });
+        self.finish(from, to, "RolledBack", reason, token);
         false
     }
-}
-
-/// Fault injection for the crash tests: with `SWITCHYARD_FAULT_PAUSE=<Phase>` the agent stalls
-/// for a minute right after persisting that phase, so a test can kill it exactly there.
-fn fault_pause(phase: Phase) {
-    if std::env::var("SWITCHYARD_FAULT_PAUSE").is_ok_and(|p| p == format!("{phase:?}")) {
-        tracing::warn!(?phase, "fault injection: pausing after persisting the phase");
-        std::thread::sleep(Duration::from_secs(60));
-    }
-}
-
-/// One probe round from this node: TCP connect to every port of each target Service's ClusterIPs
-/// (both families of a dual-stack Service). A connection that is accepted means an endpoint
-/// answered through the data plane.
-pub fn probe_round(snapshot: &DualSnapshot, targets: &[ServiceName]) -> Vec<ProbeResult> {
-    let mut results = Vec::new();
-    for target in targets {
-        let ports: Vec<_> = snapshot
-            .families()
-            .into_iter()
-            .flat_map(|s| s.services.values())
-            .filter(|p| &p.name.service == target && p.name.protocol == Protocol::Tcp)
-            .collect();
-        if ports.is_empty() {
-            results.push(ProbeResult {
-                target: target.to_string(),
-                ok: false,
-                detail: Some("no such TCP service".into()),
-            });
-        }
-        for p in ports {
-            let addr = SocketAddr::from((p.cluster_ip, p.port));
-            let (ok, detail) = match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-                Ok(s) => (true, s.peer_addr().ok().map(|a| format!("connected to {a}"))),
-                Err(e) => (false, Some(e.to_string())),
-            };
-            results.push(ProbeResult {
-                target: format!("{} {addr}", p.name),
-                ok,
-                detail,
-            });
-        }
-    }
-    results
 }
