@@ -9,11 +9,12 @@ use kube::{
 };
 use switchyard_agent::{
     Error, Result, backend,
+    driver::{FaultHook, NoFaults, PauseAfter},
     health::{self, HttpState, ProxyHealth},
     metrics::Metrics,
     model::tracker::Tracker,
     probe, report,
-    runtime::{self, NodePortAddresses},
+    runtime::{self, CidrList, ModeFlag, NodePortAddresses, PhaseFlag},
 };
 use switchyard_crds::v1alpha1::ProxyMode;
 
@@ -52,20 +53,20 @@ struct Args {
     /// Only register and report capabilities; do not proxy.
     #[arg(long)]
     report_only: bool,
-    /// Proxy mode: nftables or iptables.
-    #[arg(long, default_value = "nftables")]
-    mode: String,
+    /// Proxy mode.
+    #[arg(long, value_enum, default_value_t = ModeFlag::Nftables)]
+    mode: ModeFlag,
     /// Pod CIDR of the cluster, or one per family comma-separated (`10.244.0.0/16,fd00:10:244::/56`);
     /// traffic from outside it to ClusterIPs is masqueraded.
-    #[arg(long)]
-    cluster_cidr: Option<String>,
+    #[arg(long, value_parser = CidrList::parse)]
+    cluster_cidr: Option<CidrList>,
     /// Masquerade all service traffic.
     #[arg(long)]
     masquerade_all: bool,
     /// NodePort addresses: `primary`, `all`, or comma-separated CIDRs. Default: primary for
     /// nftables, all for iptables (kube-proxy's defaults).
-    #[arg(long)]
-    nodeport_addresses: Option<String>,
+    #[arg(long, value_parser = NodePortAddresses::parse)]
+    nodeport_addresses: Option<NodePortAddresses>,
     /// Handle only Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long)]
     service_proxy_name: Option<String>,
@@ -94,14 +95,18 @@ struct Args {
     /// comma-separated: nftables mode drops traffic to an address in them that is no ClusterIP it
     /// handles (an unallocated address, or a Service of another proxy) instead of routing it out
     /// of the node, as kube-proxy does with its ServiceCIDR objects.
-    #[arg(long)]
-    service_cidr: Option<String>,
+    #[arg(long, value_parser = CidrList::parse)]
+    service_cidr: Option<CidrList>,
     /// Directory for the persisted switch state.
     #[arg(long, default_value = "/var/lib/switchyard")]
     state_dir: PathBuf,
     /// Seconds between capability re-probes in --report-only mode.
     #[arg(long, default_value_t = 300)]
     report_interval_seconds: u64,
+    /// Fault injection for the crash tests: stall for a minute right after persisting this switch
+    /// phase, so that a test can kill the agent exactly there.
+    #[arg(long, value_enum, hide = true)]
+    test_pause_at: Option<PhaseFlag>,
 }
 
 #[tokio::main]
@@ -159,49 +164,17 @@ async fn client(
     })
 }
 
-fn parse_mode(mode: &str) -> Result<ProxyMode> {
-    match mode {
-        "nftables" => Ok(ProxyMode::Nftables),
-        "iptables" => Ok(ProxyMode::Iptables),
-        "ipvs" => Ok(ProxyMode::Ipvs),
-        other => Err(Error::Config(format!(
-            "--mode {other}: expected nftables, iptables or ipvs"
-        ))),
-    }
-}
-
 fn runtime_config(
     args: &Args,
     node: String,
     caps: switchyard_crds::v1alpha1::Capabilities,
 ) -> Result<runtime::Config> {
-    let mode = parse_mode(&args.mode)?;
-    let cluster_cidrs = match args.cluster_cidr.as_deref() {
-        Some(c) => {
-            runtime::parse_cluster_cidrs(c).map_err(|e| Error::Config(format!("--cluster-cidr {e}")))?
-        }
-        None => Vec::new(),
-    };
-    let service_cidrs = match args.service_cidr.as_deref() {
-        Some(c) => {
-            runtime::parse_cluster_cidrs(c).map_err(|e| Error::Config(format!("--service-cidr {e}")))?
-        }
-        None => Vec::new(),
-    };
-    let node_port_addresses = match args.nodeport_addresses.as_deref() {
-        None if mode == ProxyMode::Nftables => NodePortAddresses::Primary,
-        None | Some("all") => NodePortAddresses::All,
-        Some("primary") => NodePortAddresses::Primary,
-        Some(list) => NodePortAddresses::Cidrs(
-            list.split(',')
-                .map(|c| {
-                    c.trim()
-                        .parse()
-                        .map_err(|e| Error::Config(format!("--nodeport-addresses {c}: {e}")))
-                })
-                .collect::<Result<_>>()?,
-        ),
-    };
+    let mode = ProxyMode::from(args.mode);
+    let cidrs = |list: &Option<CidrList>| list.as_ref().map(|c| c.0.clone()).unwrap_or_default();
+    let node_port_addresses = args
+        .nodeport_addresses
+        .clone()
+        .unwrap_or_else(|| NodePortAddresses::default_for(mode));
     if !(args.min_sync_period >= 0.0 && args.sync_period > 0.0) {
         return Err(Error::Config(
             "--min-sync-period must be >= 0 and --sync-period > 0".into(),
@@ -211,7 +184,7 @@ fn runtime_config(
         node_name: node,
         mode,
         iptables_variant: caps.iptables_variant.clone().unwrap_or_else(|| "legacy".into()),
-        cluster_cidrs,
+        cluster_cidrs: cidrs(&args.cluster_cidr),
         masquerade_all: args.masquerade_all,
         node_port_addresses,
         proxy_name: args.service_proxy_name.clone(),
@@ -221,7 +194,7 @@ fn runtime_config(
         state_dir: args.state_dir.clone(),
         takeover_kube_proxy: args.takeover_kube_proxy,
         localhost_node_ports: args.iptables_localhost_nodeports,
-        service_cidrs,
+        service_cidrs: cidrs(&args.service_cidr),
     })
 }
 
@@ -286,10 +259,21 @@ async fn run(args: Args) -> Result<()> {
     };
     // Exiting never touches the kernel: the data path keeps forwarding while the agent restarts.
     tokio::select! {
-        r = runtime::run(client, config, health, metrics) => r,
+        r = runtime::run(client, config, health, metrics, fault_hook(&args)) => r,
         r = servers => r.map_err(|e| Error::Config(format!("health server: {e}"))),
         _ = tokio::signal::ctrl_c() => Ok(()),
         _ = terminate.recv() => Ok(()),
+    }
+}
+
+/// The driver's fault hook: `--test-pause-at`, or none.
+fn fault_hook(args: &Args) -> Arc<dyn FaultHook> {
+    match args.test_pause_at {
+        Some(phase) => Arc::new(PauseAfter {
+            phase: phase.into(),
+            pause: Duration::from_secs(60),
+        }),
+        None => Arc::new(NoFaults),
     }
 }
 
@@ -363,4 +347,44 @@ async fn render(args: &Args, client: &Client, node: String) -> Result<()> {
     let backend = backend::new_backend(config.mode, settings, &config.iptables_variant);
     print!("{}", backend.render_text(&tracker.snapshot()));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_into_typed_values() {
+        let args = Args::try_parse_from([
+            "switchyard-agent",
+            "--mode",
+            "ipvs",
+            "--cluster-cidr",
+            "10.244.0.0/16,fd00:10:244::/56",
+            "--nodeport-addresses",
+            "10.250.0.0/24",
+            "--test-pause-at",
+            "CutOver",
+        ])
+        .expect("parses");
+        assert_eq!(ProxyMode::from(args.mode), ProxyMode::Ipvs);
+        assert_eq!(args.cluster_cidr.map(|c| c.0.len()), Some(2));
+        assert!(matches!(args.nodeport_addresses, Some(NodePortAddresses::Cidrs(c)) if c.len() == 1));
+        assert_eq!(
+            args.test_pause_at.map(switchyard_agent::switch::Phase::from),
+            Some(switchyard_agent::switch::Phase::CutOver)
+        );
+        let defaults = Args::try_parse_from(["switchyard-agent"]).expect("parses");
+        assert_eq!(ProxyMode::from(defaults.mode), ProxyMode::Nftables);
+        assert!(defaults.test_pause_at.is_none());
+        for bad in [
+            ["--mode", "userspace"],
+            ["--cluster-cidr", "10.0.0.0/8,10.1.0.0/16"],
+            ["--nodeport-addresses", "nowhere"],
+            ["--test-pause-at", "cut-over"],
+        ] {
+            let args = std::iter::once("switchyard-agent").chain(bad);
+            assert!(Args::try_parse_from(args).is_err(), "{bad:?} was accepted");
+        }
+    }
 }

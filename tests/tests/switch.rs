@@ -330,16 +330,14 @@ async fn agents_switch_live_roll_back_and_survive_crashes() {
         let old = env.agents.remove(idx);
         drop(old);
         let token = node_token(&env.cp, &node.name).await.expect("token");
-        env.agents.push(
-            Agent::start_with_env(
-                &env.cp,
-                node,
-                &token,
-                &AGENT_ARGS,
-                &[("SWITCHYARD_FAULT_PAUSE", phase)],
-            )
-            .expect("agent"),
-        );
+        // The hidden fault-injection flag: the agent stalls right after persisting `phase`.
+        let args: Vec<&str> = AGENT_ARGS
+            .iter()
+            .copied()
+            .chain(["--test-pause-at", phase])
+            .collect();
+        env.agents
+            .push(Agent::start(&env.cp, node, &token, &args).expect("agent"));
         let current = proxies
             .get(&node.name)
             .await

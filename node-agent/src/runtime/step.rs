@@ -1,0 +1,107 @@
+//! The switch step after a sync: resolves the health gate's probe targets (during a switch) and
+//! runs one driver step on a blocking thread (its effects program the kernel).
+
+use k8s_openapi::api::core::v1::Service;
+use kube::{Api, Client};
+use switchyard_crds::v1alpha1::{ProbeTarget, ProxyMode};
+
+use super::{intake::Wish, on_blocking_thread};
+use crate::{Result, driver::Driver, model::DualSnapshot, model::ServiceName};
+
+/// Runs one step of the switch; the driver comes back with whether another step should follow
+/// at once.
+pub(super) async fn step(
+    client: &Client,
+    driver: Driver,
+    supported: &[ProxyMode],
+    wish: &Wish,
+    snapshot: &DualSnapshot,
+) -> Result<(Driver, bool)> {
+    let targets = if driver.switching() {
+        probe_targets(client, &wish.probes).await
+    } else {
+        Vec::new()
+    };
+    let (supported, desired, gate, snap) = (
+        supported.to_vec(),
+        wish.desired.clone(),
+        wish.gate.clone(),
+        snapshot.clone(),
+    );
+    on_blocking_thread("switch", driver, move |d| {
+        d.step(desired.as_ref(), &supported, &gate, &snap, &targets)
+    })
+    .await
+}
+
+/// A label selector's query string (`matchLabels` and `matchExpressions`).
+fn selector_query(sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector) -> String {
+    let exprs = sel.match_expressions.iter().flatten().map(|e| {
+        let values = e.values.as_deref().unwrap_or_default().join(",");
+        match e.operator.as_str() {
+            "In" => format!("{} in ({values})", e.key),
+            "NotIn" => format!("{} notin ({values})", e.key),
+            "Exists" => e.key.clone(),
+            _ => format!("!{}", e.key), // DoesNotExist: the schema admits no other operator
+        }
+    });
+    sel.match_labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .chain(exprs)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Resolves the gate's probe targets to Service names: `default/kubernetes` always, named ones,
+/// and label-selected ones (listed from the API).
+async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceName> {
+    let mut out = vec![ServiceName {
+        namespace: "default".into(),
+        name: "kubernetes".into(),
+    }];
+    for p in probes {
+        if let Some(name) = &p.name {
+            out.push(ServiceName {
+                namespace: p.namespace.clone(),
+                name: name.clone(),
+            });
+        } else if let Some(sel) = &p.selector {
+            let api: Api<Service> = Api::namespaced(client.clone(), &p.namespace);
+            let params = kube::api::ListParams::default().labels(&selector_query(sel));
+            if let Ok(list) = api.list(&params).await {
+                out.extend(list.items.into_iter().filter_map(|s| {
+                    Some(ServiceName {
+                        namespace: p.namespace.clone(),
+                        name: s.metadata.name?,
+                    })
+                }));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selectors_become_label_queries() {
+        let sel = serde_json::from_value(serde_json::json!({
+            "matchLabels": {"app": "web"},
+            "matchExpressions": [
+                {"key": "tier", "operator": "In", "values": ["a", "b"]},
+                {"key": "canary", "operator": "NotIn", "values": ["yes"]},
+                {"key": "probe", "operator": "Exists"},
+                {"key": "skip", "operator": "DoesNotExist"},
+            ],
+        }))
+        .expect("selector");
+        assert_eq!(
+            selector_query(&sel),
+            "app=web,tier in (a,b),canary notin (yes),probe,!skip"
+        );
+    }
+}
