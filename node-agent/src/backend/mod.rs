@@ -14,6 +14,8 @@
 //! - Syncing never flushes a path that stays: rules of unchanged services keep serving during a sync
 //!   (transactions are atomic), so established and new connections are not interrupted.
 
+#[cfg(test)]
+pub(crate) mod conformance;
 pub mod iptables;
 pub mod ipvs;
 pub mod names;
@@ -242,6 +244,9 @@ pub enum BackendError {
         #[source]
         source: crate::sys::KernelError,
     },
+    /// Several independent steps failed (a cleanup goes on after a failure and reports every one).
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Many(Vec<BackendError>),
     /// Netlink transport.
     #[error(transparent)]
     Agent(#[from] crate::Error),
@@ -253,6 +258,35 @@ pub enum BackendError {
         /// What was asked.
         what: &'static str,
     },
+}
+
+impl BackendError {
+    /// The outcome of independent steps: `Ok` without failures, the failure itself for one,
+    /// [`BackendError::Many`] for several.
+    pub fn collect(errors: Vec<BackendError>) -> Result<(), BackendError> {
+        let mut errors: Vec<BackendError> = errors.into_iter().flat_map(BackendError::into_errors).collect();
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(errors.remove(0)),
+            _ => Err(BackendError::Many(errors)),
+        }
+    }
+
+    /// Every failure this error stands for.
+    pub fn errors(&self) -> Vec<&BackendError> {
+        match self {
+            BackendError::Many(all) => all.iter().flat_map(BackendError::errors).collect(),
+            one => vec![one],
+        }
+    }
+
+    /// Every failure this error stands for, owned.
+    pub fn into_errors(self) -> Vec<BackendError> {
+        match self {
+            BackendError::Many(all) => all.into_iter().flat_map(BackendError::into_errors).collect(),
+            one => vec![one],
+        }
+    }
 }
 
 /// What of a backend the kernel holds, read back from the kernel (not from the backend's memory).
@@ -355,7 +389,7 @@ pub fn cleanup_all() -> Vec<BackendError> {
     }
     for mut b in backends {
         if let Err(e) = b.cleanup() {
-            errors.push(e);
+            errors.extend(e.into_errors());
         }
     }
     errors

@@ -2,6 +2,7 @@
 //! kernel files. Everything above this layer is pure.
 
 pub mod conntrack;
+pub mod error;
 pub mod exec;
 pub mod genl;
 pub mod host;
@@ -11,3 +12,5 @@ pub mod ipvs;
 pub mod link;
 pub mod netlink;
 pub mod nft;
+
+pub use error::{KernelError, KernelResult};

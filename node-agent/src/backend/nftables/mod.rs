@@ -10,13 +10,14 @@
 //! the main transaction and deleted in a follow-up one (kernels before 6.2 release a chain's
 //! references to map elements only after the transaction; kube-proxy found the same).
 
-pub mod encode;
-pub mod ir;
 pub mod render;
+
+/// The object model and its netlink codec live with the adapter in [`crate::sys::nft`].
+pub use crate::sys::nft::{codec as encode, ir};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use encode::{Batch, Msg};
+use encode::Batch;
 use ir::{Element, Key};
 use render::{EndpointMaps, Fragment};
 use switchyard_crds::v1alpha1::ProxyMode;
@@ -24,18 +25,26 @@ use switchyard_crds::v1alpha1::ProxyMode;
 use super::{Backend, BackendError, FamilyResults, Settings, SyncStats};
 use crate::{
     model::{Changes, DualSnapshot, IpFamily, ServiceName, ServicePortName, Snapshot, ports_of},
-    sys,
+    sys::{
+        KernelError,
+        nft::{KernelNft, NfTables, Objects},
+    },
 };
 
-/// The nftables backend.
+/// The nftables backend, programming through the nf_tables adapter `N`.
 #[derive(Debug)]
-pub struct NftablesBackend {
+pub struct Nftables<N: NfTables = KernelNft> {
     settings: Settings,
     /// The `ip` and `ip6` tables.
     tables: [Table; 2],
     /// Entry points off: every base chain starts with `return`.
     bypassed: bool,
+    /// The kernel (or a fake).
+    nft: N,
 }
+
+/// The nftables backend on the kernel.
+pub type NftablesBackend = Nftables<KernelNft>;
 
 /// What we programmed in one family's table.
 #[derive(Debug)]
@@ -46,8 +55,6 @@ struct Table {
     elements: HashMap<(&'static str, Key), (Element, usize)>,
     /// Endpoint maps in the kernel, with how many fragments fill them.
     endpoint_maps: EndpointMaps,
-    /// Our nf_tables socket for this table.
-    session: sys::nft::Session,
     /// Chains and sets to delete in a follow-up transaction (retried by later syncs if it fails).
     stale_chains: BTreeSet<String>,
     stale_sets: BTreeSet<String>,
@@ -57,21 +64,39 @@ struct Table {
     results: FamilyResults,
 }
 
-fn kernel(detail: String) -> BackendError {
-    BackendError::Kernel {
+fn kernel(source: KernelError) -> BackendError {
+    BackendError::Sys {
         backend: "nftables",
-        detail,
+        source,
     }
 }
 
-impl NftablesBackend {
-    /// A backend that renders with `settings`.
+impl Nftables<KernelNft> {
+    /// A backend on the kernel that renders with `settings`.
     pub fn new(settings: Settings) -> Self {
+        Self::with_adapter(settings, KernelNft::default())
+    }
+}
+
+impl<N: NfTables> Nftables<N> {
+    /// A backend that renders with `settings` and programs through `nft`.
+    pub fn with_adapter(settings: Settings, nft: N) -> Self {
         Self {
             settings,
             tables: IpFamily::ALL.map(Table::new),
             bypassed: false,
+            nft,
         }
+    }
+
+    /// The adapter (for tests: the fake's listing).
+    pub fn adapter(&self) -> &N {
+        &self.nft
+    }
+
+    /// The adapter, mutable (for tests: injecting faults).
+    pub fn adapter_mut(&mut self) -> &mut N {
+        &mut self.nft
     }
 }
 
@@ -99,7 +124,6 @@ impl Table {
             fragments: BTreeMap::new(),
             elements: HashMap::new(),
             endpoint_maps: EndpointMaps::new(),
-            session: sys::nft::Session::default(),
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
             programmed: false,
@@ -132,7 +156,7 @@ impl Table {
         }
     }
 
-    fn delete_stale(&mut self) -> Result<(), BackendError> {
+    fn delete_stale(&mut self, nft: &mut impl NfTables) -> Result<(), BackendError> {
         if self.stale_chains.is_empty() && self.stale_sets.is_empty() {
             return Ok(());
         }
@@ -143,7 +167,8 @@ impl Table {
         for s in &self.stale_sets {
             batch.delete_set(s);
         }
-        match self.session.apply(batch)? {
+        match nft.apply(batch) {
+            Err(KernelError::Transport(e)) => Err(e.into()),
             Ok(()) => {
                 self.stale_chains.clear();
                 self.stale_sets.clear();
@@ -158,6 +183,7 @@ impl Table {
 
     fn full_sync(
         &mut self,
+        nft: &mut impl NfTables,
         settings: &Settings,
         bypassed: bool,
         snapshot: &Snapshot,
@@ -169,9 +195,16 @@ impl Table {
             *endpoint_maps.entry(m).or_default() += 1;
         }
         render::add_dispatch(&mut base, &endpoint_maps);
-        let existing_chains: BTreeSet<String> =
-            sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
-        let existing_sets: BTreeSet<String> = sys::nft::list(self.family, Msg::GetSet)?.into_iter().collect();
+        let existing_chains: BTreeSet<String> = nft
+            .list(self.family, Objects::Chains)
+            .map_err(kernel)?
+            .into_iter()
+            .collect();
+        let existing_sets: BTreeSet<String> = nft
+            .list(self.family, Objects::Sets)
+            .map_err(kernel)?
+            .into_iter()
+            .collect();
 
         let mut batch = Batch::new(self.family);
         batch.add_table("rules for switchyard");
@@ -232,7 +265,7 @@ impl Table {
             batch.flush_chain(c);
         }
         let messages = batch.len() as usize;
-        self.session.apply(batch)?.map_err(kernel)?;
+        nft.apply(batch).map_err(kernel)?;
         self.stale_chains = stale_chains;
         self.stale_sets = existing_sets.difference(&desired_sets).cloned().collect();
         let stats = SyncStats {
@@ -251,7 +284,7 @@ impl Table {
         self.elements = elements;
         self.endpoint_maps = endpoint_maps;
         self.programmed = true;
-        self.delete_stale()?;
+        self.delete_stale(nft)?;
         Ok(stats)
     }
 
@@ -300,6 +333,7 @@ impl Table {
 
     fn partial_sync(
         &mut self,
+        nft: &mut impl NfTables,
         settings: &Settings,
         snapshot: &Snapshot,
         changes: &Changes,
@@ -409,7 +443,7 @@ impl Table {
         let mut stale_sets: Vec<String> = old_sets.difference(&new_sets).map(|s| (*s).to_owned()).collect();
         stale_sets.extend(stale_maps);
         let messages = batch.len() as usize;
-        let result = self.session.apply(batch)?.map_err(kernel);
+        let result = nft.apply(batch).map_err(kernel);
         let stats = SyncStats {
             full: false,
             services: added.len(),
@@ -421,7 +455,7 @@ impl Table {
         result?;
         self.stale_chains.extend(stale);
         self.stale_sets.extend(stale_sets);
-        self.delete_stale()?;
+        self.delete_stale(nft)?;
         Ok(stats)
     }
 }
@@ -429,6 +463,7 @@ impl Table {
 impl Table {
     fn sync(
         &mut self,
+        nft: &mut impl NfTables,
         settings: &Settings,
         bypassed: bool,
         snapshot: &Snapshot,
@@ -436,9 +471,9 @@ impl Table {
         full: bool,
     ) -> Result<SyncStats, BackendError> {
         let result = if full || !self.programmed {
-            self.full_sync(settings, bypassed, snapshot)
+            self.full_sync(nft, settings, bypassed, snapshot)
         } else {
-            self.partial_sync(settings, snapshot, changes)
+            self.partial_sync(nft, settings, snapshot, changes)
         };
         if result.is_err() {
             // Our view of the kernel is unknown now: the next sync must be full.
@@ -448,18 +483,25 @@ impl Table {
         result
     }
 
-    fn cleanup(&mut self) -> Result<(), BackendError> {
+    fn cleanup(&mut self, nft: &mut impl NfTables) -> Result<(), BackendError> {
         self.forget();
         self.programmed = false;
-        if !sys::nft::table_exists(self.family)? {
+        self.stale_chains.clear();
+        self.stale_sets.clear();
+        if !nft.table_exists(self.family).map_err(kernel)? {
             return Ok(());
         }
         let mut batch = Batch::new(self.family);
         batch.delete_table();
-        self.session.apply(batch)?.map_err(kernel)
+        nft.apply(batch).map_err(kernel)
     }
 
-    fn set_bypass(&mut self, settings: &Settings, bypassed: bool) -> Result<(), BackendError> {
+    fn set_bypass(
+        &mut self,
+        nft: &mut impl NfTables,
+        settings: &Settings,
+        bypassed: bool,
+    ) -> Result<(), BackendError> {
         if !self.programmed {
             return Ok(()); // the next full sync programs the base chains accordingly
         }
@@ -474,14 +516,23 @@ impl Table {
                 batch.add_rule(&chain.name, rule);
             }
         }
-        self.session.apply(batch)?.map_err(kernel)
+        nft.apply(batch).map_err(kernel)
     }
 
-    fn verify(&self, settings: &Settings, bypassed: bool) -> Result<Vec<String>, BackendError> {
+    fn verify(
+        &self,
+        nft: &impl NfTables,
+        settings: &Settings,
+        bypassed: bool,
+    ) -> Result<Vec<String>, BackendError> {
         if !self.programmed {
             return Ok(Vec::new());
         }
-        let kernel: BTreeSet<String> = sys::nft::list(self.family, Msg::GetChain)?.into_iter().collect();
+        let kernel: BTreeSet<String> = nft
+            .list(self.family, Objects::Chains)
+            .map_err(kernel)?
+            .into_iter()
+            .collect();
         let desired: BTreeSet<String> = base(settings, self.family, bypassed)
             .chains
             .iter()
@@ -503,7 +554,7 @@ impl Table {
     }
 }
 
-impl Backend for NftablesBackend {
+impl<N: NfTables> Backend for Nftables<N> {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Nftables
     }
@@ -518,7 +569,14 @@ impl Backend for NftablesBackend {
         for i in 0..self.tables.len() {
             let table = &mut self.tables[i];
             let family_snapshot = snapshot.get(table.family);
-            let result = table.sync(&self.settings, self.bypassed, family_snapshot, changes, full);
+            let result = table.sync(
+                &mut self.nft,
+                &self.settings,
+                self.bypassed,
+                family_snapshot,
+                changes,
+                full,
+            );
             match table.results.check(table.family, result) {
                 Ok(Some(stats)) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
                 Ok(None) => {}
@@ -536,10 +594,13 @@ impl Backend for NftablesBackend {
     }
 
     fn cleanup(&mut self) -> Result<(), BackendError> {
-        for table in &mut self.tables {
-            table.cleanup()?;
-        }
-        Ok(())
+        // Each table on its own: a failure in one does not keep the other.
+        let errors = self
+            .tables
+            .iter_mut()
+            .filter_map(|table| table.cleanup(&mut self.nft).err())
+            .collect();
+        BackendError::collect(errors)
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {
@@ -556,17 +617,20 @@ impl Backend for NftablesBackend {
         }
         self.bypassed = bypassed;
         for table in &mut self.tables {
-            table.set_bypass(&self.settings, bypassed)?;
+            table.set_bypass(&mut self.nft, &self.settings, bypassed)?;
         }
         Ok(())
     }
 
     fn presence(&self) -> Result<super::Presence, BackendError> {
-        if !sys::nft::table_exists(IpFamily::V4)? {
+        if !self.nft.table_exists(IpFamily::V4).map_err(kernel)? {
             return Ok(super::Presence::Absent);
         }
         // A bypassed base chain starts with a `return` carrying BYPASS_COMMENT (its user data).
-        let bypassed = sys::nft::rules_contain(IpFamily::V4, BYPASS_COMMENT.as_bytes())?;
+        let bypassed = self
+            .nft
+            .rule_comment_exists(IpFamily::V4, BYPASS_COMMENT)
+            .map_err(kernel)?;
         Ok(if bypassed {
             super::Presence::Bypassed
         } else {
@@ -577,7 +641,7 @@ impl Backend for NftablesBackend {
     fn verify(&self) -> Result<Vec<String>, BackendError> {
         let mut drift = Vec::new();
         for table in &self.tables {
-            drift.extend(table.verify(&self.settings, self.bypassed)?);
+            drift.extend(table.verify(&self.nft, &self.settings, self.bypassed)?);
         }
         Ok(drift)
     }

@@ -3,233 +3,26 @@
 //! is checked against `nft -f` of our own text render (both must list identically). The scenario
 //! exists in both families, as a dual-stack cluster would have it.
 
-use std::{
-    fs::File,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    os::fd::AsFd,
-    path::PathBuf,
-};
-
-use nix::sched::{CloneFlags, setns};
-
 use super::*;
 use crate::{
-    backend::Backend,
-    model::{
-        DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServicePort, ServicePortName, fixtures,
+    backend::{
+        Backend,
+        conformance::{
+            fixtures::dual_scenario,
+            golden,
+            netns::TestNetns,
+            suite::{Kit, Subject, conformance_suite},
+        },
+    },
+    model::IpFamily,
+    sys::nft::{
+        KernelNft,
+        fake::{FakeNft, Faulty},
     },
 };
 
-/// A network namespace for one test, deleted on drop.
-pub(crate) struct TestNetns(pub String);
-
-impl TestNetns {
-    pub(crate) fn new(tag: &str) -> Self {
-        let name = format!("swyu{}-{tag}", std::process::id());
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &name])
-            .stderr(std::process::Stdio::null())
-            .status();
-        let ok = std::process::Command::new("ip")
-            .args(["netns", "add", &name])
-            .status()
-            .expect("ip")
-            .success();
-        assert!(ok, "ip netns add {name}");
-        Self(name)
-    }
-
-    /// Runs `f` on a thread inside the namespace.
-    pub(crate) fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.0);
-        std::thread::spawn(move || {
-            let ns = File::open(&path).expect("netns file");
-            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).expect("setns");
-            f()
-        })
-        .join()
-        .expect("netns thread")
-    }
-
-    pub(crate) fn sh(&self, args: &[&str]) -> String {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", &self.0])
-            .args(args)
-            .output()
-            .expect("run");
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for TestNetns {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &self.0])
-            .status();
-    }
-}
-
-fn name(ns: &str, svc: &str, port: &str, protocol: Protocol) -> ServicePortName {
-    fixtures::port_name(ns, svc, port, protocol)
-}
-
-/// The scenario's address `a` in `family`: IPv4 as written; IPv6 maps `10.x.y.z` into
-/// `fd00:10:x:y::z` and the documentation ranges `192.0.2.z` / `203.0.113.z` into `2001:db8::z` /
-/// `2001:db8:113::z` (each decimal octet spelled as a hex group, so the addresses stay readable).
-fn addr(family: IpFamily, a: [u8; 4]) -> IpAddr {
-    match family {
-        IpFamily::V4 => Ipv4Addr::from(a).into(),
-        IpFamily::V6 => {
-            let text = match a {
-                [10, x, y, z] => format!("fd00:10:{x}:{y}::{z}"),
-                [192, 0, 2, z] => format!("2001:db8::{z}"),
-                [203, 0, 113, z] => format!("2001:db8:113::{z}"),
-                other => panic!("no IPv6 twin for {other:?}"),
-            };
-            text.parse::<Ipv6Addr>().expect("ipv6").into()
-        }
-    }
-}
-
-/// The scenario in both families, as a dual-stack cluster has it.
-fn dual_scenario() -> (DualSnapshot, Settings) {
-    (
-        DualSnapshot {
-            v4: scenario_of(IpFamily::V4),
-            v6: scenario_of(IpFamily::V6),
-        },
-        settings(),
-    )
-}
-
-fn settings() -> Settings {
-    Settings {
-        node: NodeInfo {
-            name: "node-1".into(),
-            addresses: vec![
-                addr(IpFamily::V4, [10, 250, 0, 11]),
-                addr(IpFamily::V6, [10, 250, 0, 11]),
-            ],
-            zone: None,
-        },
-        cluster_cidrs: vec![
-            "10.244.0.0/16".parse().expect("cidr"),
-            "fd00:10:244::/48".parse().expect("cidr"),
-        ],
-        masquerade_all: false,
-        node_port_addresses: Default::default(),
-        masquerade_mark: 0x4000,
-        ipvs: Default::default(),
-        localhost_node_ports: true,
-        service_cidrs: vec![
-            "10.96.0.0/16".parse().expect("cidr"),
-            "fd00:10:96::/112".parse().expect("cidr"),
-        ],
-    }
-}
-
-fn scenario_of(family: IpFamily) -> Snapshot {
-    let port = |n: ServicePortName, cip: [u8; 4], p: u16| fixtures::cluster_ip(n, addr(family, cip), p);
-    let ep =
-        |ip: [u8; 4], port: u16, node: &str| -> Endpoint { fixtures::ready(addr(family, ip), port, node) };
-    let mut s = Snapshot::new(family);
-    let mut add = |p: ServicePort, eps: Vec<Endpoint>| {
-        if !eps.is_empty() {
-            s.endpoints.insert(p.name.clone(), eps);
-        }
-        s.services.insert(p.name.clone(), p);
-    };
-    // ClusterIP, one endpoint, TCP.
-    add(
-        port(name("default", "one", "http", Protocol::Tcp), [10, 96, 0, 11], 80),
-        vec![ep([10, 244, 2, 11], 8080, "node-2")],
-    );
-    // Three endpoints, one local (hairpin), UDP.
-    add(
-        port(name("default", "dns", "dns", Protocol::Udp), [10, 96, 0, 10], 53),
-        vec![
-            ep([10, 244, 1, 11], 53, "node-1"),
-            ep([10, 244, 2, 11], 53, "node-2"),
-            ep([10, 244, 3, 11], 53, "node-3"),
-        ],
-    );
-    // NodePort + externalIP, SCTP.
-    let mut np = port(name("default", "np", "", Protocol::Sctp), [10, 96, 0, 12], 9000);
-    np.node_port = Some(30900);
-    np.external_ips = vec![addr(family, [192, 0, 2, 10])];
-    add(np, vec![ep([10, 244, 2, 12], 9000, "node-2")]);
-    // LoadBalancer with source ranges (not byte-aligned), ETP=Local with a local endpoint.
-    let mut lb = port(name("web", "lb", "https", Protocol::Tcp), [10, 96, 0, 13], 443);
-    lb.node_port = Some(30443);
-    lb.load_balancer_ips = vec![addr(family, [192, 0, 2, 100])];
-    let range = match family {
-        IpFamily::V4 => "203.0.113.0/25",
-        IpFamily::V6 => "2001:db8:113::/60",
-    };
-    lb.load_balancer_source_ranges = vec![range.parse::<IpNet>().expect("net")];
-    lb.external_policy_local = true;
-    lb.health_check_node_port = Some(31000);
-    add(
-        lb,
-        vec![
-            ep([10, 244, 1, 13], 8443, "node-1"),
-            ep([10, 244, 2, 13], 8443, "node-2"),
-        ],
-    );
-    // ETP=Local without local endpoints.
-    let mut remote = port(name("web", "remote", "", Protocol::Tcp), [10, 96, 0, 14], 80);
-    remote.node_port = Some(30080);
-    remote.external_policy_local = true;
-    add(remote, vec![ep([10, 244, 2, 14], 80, "node-2")]);
-    // ITP=Local without local endpoints.
-    let mut itp = port(name("web", "itp", "", Protocol::Tcp), [10, 96, 0, 15], 80);
-    itp.internal_policy_local = true;
-    add(itp, vec![ep([10, 244, 3, 15], 80, "node-3")]);
-    // ClientIP affinity, two endpoints.
-    let mut aff = port(name("web", "sticky", "", Protocol::Tcp), [10, 96, 0, 16], 80);
-    aff.affinity_timeout_seconds = Some(600);
-    add(
-        aff,
-        vec![
-            ep([10, 244, 1, 16], 80, "node-1"),
-            ep([10, 244, 2, 16], 80, "node-2"),
-        ],
-    );
-    // No endpoints at all, and only a terminating one (fallback).
-    add(
-        port(name("web", "empty", "", Protocol::Tcp), [10, 96, 0, 17], 80),
-        vec![],
-    );
-    let mut term = ep([10, 244, 2, 18], 80, "node-2");
-    term.ready = false;
-    term.terminating = true;
-    add(
-        port(name("web", "terminating", "", Protocol::Tcp), [10, 96, 0, 18], 80),
-        vec![term],
-    );
-    s
-}
-
 fn golden(file: &str, actual: &str) {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("src/backend/nftables/testdata")
-        .join(file);
-    if std::env::var_os("SWITCHYARD_UPDATE_GOLDEN").is_some() {
-        std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
-        std::fs::write(&path, actual).expect("write golden");
-    }
-    let want = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing golden {}", path.display()));
-    assert_eq!(
-        actual,
-        want,
-        "{} differs (SWITCHYARD_UPDATE_GOLDEN=1 rewrites it)",
-        path.display()
-    );
+    golden::check("nftables", file, actual);
 }
 
 #[test]
@@ -474,4 +267,124 @@ fn service_cidrs_drop_unhandled_cluster_ips_per_family() {
     };
     let v4 = chain(&render::full(&snap.v4, &none).text());
     assert!(!v4.iter().any(|l| l.contains("drop")), "{v4:?}");
+}
+
+/// The fake lists exactly what the kernel lists for the same sync: both are compared with the same
+/// golden listings (the kernel one in `kernel_lists_exactly_the_golden_ruleset_…`).
+#[test]
+fn fake_lists_exactly_the_golden_ruleset() {
+    let (snap, settings) = dual_scenario();
+    let mut backend = Nftables::with_adapter(settings, FakeNft::new());
+    let stats = backend.sync(&snap, &Changes::default(), true).expect("full sync");
+    assert_eq!(stats.services, snap.v4.services.len() + snap.v6.services.len());
+    let listing = |family| backend.adapter().listing(family).expect("table");
+    golden("scenario.list.nft", &listing(IpFamily::V4));
+    golden("scenario6.list.nft", &listing(IpFamily::V6));
+}
+
+/// A ruleset listing (`nft list ruleset`, or the fake's tables one after the other) normalised:
+/// each table's header and its sets, maps and chains sorted; tables sorted.
+fn normalise(ruleset: &str) -> String {
+    let mut tables: Vec<String> = Vec::new();
+    let mut current: Option<(String, String)> = None;
+    for line in ruleset.lines() {
+        if line.starts_with("table ") {
+            tables.extend(current.take().map(|(h, body)| h + &sorted_blocks(&body).concat()));
+            current = Some((format!("{line}\n"), String::new()));
+        } else if let Some((_, body)) = current.as_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    tables.extend(current.map(|(h, body)| h + &sorted_blocks(&body).concat()));
+    tables.sort();
+    tables.concat()
+}
+
+/// The nftables backend on the fake.
+struct FakeSubject(Nftables<Faulty<FakeNft>>);
+
+impl Subject for FakeSubject {
+    type B = Nftables<Faulty<FakeNft>>;
+    fn backend(&mut self) -> &mut Self::B {
+        &mut self.0
+    }
+    fn owned(&self) -> String {
+        let fake = self.0.adapter().inner();
+        normalise(
+            &IpFamily::ALL
+                .map(|f| fake.listing(f).unwrap_or_default())
+                .concat(),
+        )
+    }
+    fn fail_writes(&mut self, n: usize) {
+        self.0.adapter_mut().fail_next(n);
+    }
+}
+
+struct FakeKit;
+
+impl Kit for FakeKit {
+    type S = FakeSubject;
+    fn with_subject<T: Send>(&self, f: impl FnOnce(&mut Self::S) -> T + Send) -> T {
+        f(&mut FakeSubject(Nftables::with_adapter(
+            dual_scenario().1,
+            Faulty::new(FakeNft::new()),
+        )))
+    }
+    fn cleanup_parts(&self) -> usize {
+        2
+    }
+}
+
+/// The nftables backend on the kernel, in a network namespace (every call runs inside it).
+struct KernelSubject(Nftables<Faulty<KernelNft>>);
+
+impl Subject for KernelSubject {
+    type B = Nftables<Faulty<KernelNft>>;
+    fn backend(&mut self) -> &mut Self::B {
+        &mut self.0
+    }
+    fn owned(&self) -> String {
+        let out = std::process::Command::new("nft")
+            .args(["list", "ruleset"])
+            .output()
+            .expect("run nft");
+        assert!(out.status.success(), "nft list ruleset: {out:?}");
+        normalise(&String::from_utf8_lossy(&out.stdout))
+    }
+    fn fail_writes(&mut self, n: usize) {
+        self.0.adapter_mut().fail_next(n);
+    }
+}
+
+struct KernelKit;
+
+static NETNS_SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl Kit for KernelKit {
+    type S = KernelSubject;
+    fn with_subject<T: Send>(&self, f: impl FnOnce(&mut Self::S) -> T + Send) -> T {
+        let n = NETNS_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ns = TestNetns::new(&format!("nft-suite{n}"));
+        ns.run(move || {
+            f(&mut KernelSubject(Nftables::with_adapter(
+                dual_scenario().1,
+                Faulty::new(KernelNft::default()),
+            )))
+        })
+    }
+    fn cleanup_parts(&self) -> usize {
+        2
+    }
+}
+
+/// The conformance suite on the fake nf_tables (no root).
+mod conformance_fake {
+    super::conformance_suite!(super::FakeKit);
+}
+
+/// The conformance suite on the kernel (root; a network namespace per case).
+mod conformance_kernel {
+    super::conformance_suite!(super::KernelKit);
 }

@@ -1,6 +1,9 @@
 //! Pure netlink encoding of the nftables IR: the bytes of `NEWTABLE`, `NEWCHAIN`, `NEWRULE`,
 //! `NEWSET`, `NEWSETELEM` and friends, matching what `nft` itself sends (checked with
 //! `nft --debug=netlink,mnl`), so the kernel state we create lists back as the same rules.
+//!
+//! A [`Batch`] is one transaction: it holds both its netlink bytes (for the kernel) and its
+//! operations as data ([`Op`], for the fake adapter), built by the same calls.
 
 use std::net::IpAddr;
 
@@ -98,6 +101,31 @@ fn message(family: IpFamily, msg: Msg, flags: u16, seq: u32, attrs: Nla) -> Vec<
     b
 }
 
+/// One operation of a transaction, as data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// `add table` with its comment.
+    AddTable(String),
+    /// `delete table`.
+    DeleteTable,
+    /// `add chain` (a base chain with its hook).
+    AddChain(String, Option<BaseChain>),
+    /// `flush chain`.
+    FlushChain(String),
+    /// `delete chain`.
+    DeleteChain(String),
+    /// `add rule` at the end of a chain.
+    AddRule(String, Rule),
+    /// `add set` / `add map`.
+    AddSet(SetDef),
+    /// `delete set`.
+    DeleteSet(String),
+    /// `flush set`.
+    FlushSet(String),
+    /// `add element` (`true`) or `delete element` (`false`) of a set.
+    Elements(String, Vec<Element>, bool),
+}
+
 /// A batch under construction for one family's table: messages get consecutive sequence numbers.
 #[derive(Debug, Default)]
 pub struct Batch {
@@ -106,6 +134,7 @@ pub struct Batch {
     count: u32,
     set_ids: u32,
     last: usize,
+    ops: Vec<Op>,
 }
 
 impl Batch {
@@ -125,6 +154,16 @@ impl Batch {
     /// Whether the batch has no messages.
     pub fn is_empty(&self) -> bool {
         self.count == 0
+    }
+
+    /// The family whose table the batch edits.
+    pub fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    /// The batch's operations, in order.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
     }
 
     fn push(&mut self, msg: Msg, flags: u16, attrs: Nla) {
@@ -162,11 +201,13 @@ impl Batch {
             .u32(2, 0)
             .put(6, &udata_string(0, comment));
         self.push(Msg::NewTable, NLM_F_CREATE, attrs);
+        self.ops.push(Op::AddTable(comment.to_owned()));
     }
 
     /// `delete table ip switchyard` / `ip6 switchyard`.
     pub fn delete_table(&mut self) {
         self.push(Msg::DelTable, 0, Nla::default().str(1, TABLE));
+        self.ops.push(Op::DeleteTable);
     }
 
     /// `add chain` (no error if it exists).
@@ -182,16 +223,19 @@ impl Batch {
                 .str(7, if b.nat { "nat" } else { "filter" });
         }
         self.push(Msg::NewChain, NLM_F_CREATE, attrs);
+        self.ops.push(Op::AddChain(name.to_owned(), base));
     }
 
     /// `flush chain`.
     pub fn flush_chain(&mut self, name: &str) {
         self.push(Msg::DelRule, 0, Nla::default().str(1, TABLE).str(2, name));
+        self.ops.push(Op::FlushChain(name.to_owned()));
     }
 
     /// `delete chain`.
     pub fn delete_chain(&mut self, name: &str) {
         self.push(Msg::DelChain, 0, Nla::default().str(1, TABLE).str(3, name));
+        self.ops.push(Op::DeleteChain(name.to_owned()));
     }
 
     /// `add rule` at the end of `chain`.
@@ -207,6 +251,7 @@ impl Batch {
             attrs = attrs.put(7, &udata_string(0, c));
         }
         self.push(Msg::NewRule, NLM_F_CREATE | 0x800 /* NLM_F_APPEND */, attrs);
+        self.ops.push(Op::AddRule(chain.to_owned(), rule.clone()));
     }
 
     /// `add set` / `add map` (no error if it exists with the same definition).
@@ -253,16 +298,19 @@ impl Batch {
             attrs = attrs.put(13, &udata);
         }
         self.push(Msg::NewSet, NLM_F_CREATE, attrs);
+        self.ops.push(Op::AddSet(set.clone()));
     }
 
     /// `delete set`.
     pub fn delete_set(&mut self, name: &str) {
         self.push(Msg::DelSet, 0, Nla::default().str(1, TABLE).str(2, name));
+        self.ops.push(Op::DeleteSet(name.to_owned()));
     }
 
     /// `flush set`.
     pub fn flush_set(&mut self, name: &str) {
         self.push(Msg::DelSetElem, 0, Nla::default().str(1, TABLE).str(2, name));
+        self.ops.push(Op::FlushSet(name.to_owned()));
     }
 
     /// Adds (`add == true`) or deletes elements of `set`, split into messages whose element list
@@ -292,6 +340,8 @@ impl Batch {
         if !list.0.is_empty() {
             self.element_message(set, list, add);
         }
+        let elements = elements.iter().map(|e| (*e).clone()).collect();
+        self.ops.push(Op::Elements(set.to_owned(), elements, add));
     }
 
     fn element_message(&mut self, set: &str, list: Nla, add: bool) {

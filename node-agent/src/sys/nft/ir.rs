@@ -1,6 +1,6 @@
 //! The nftables ruleset as data: sets, maps, chains and rules built from a small closed set of
 //! expressions. Each expression knows its `nft` text (for `--render`, loadable with `nft -f`) and
-//! its netlink bytecode ([`super::encode`]), the same bytecode `nft` itself generates, so that
+//! its netlink bytecode ([`super::codec`]), the same bytecode `nft` itself generates, so that
 //! `nft list table ip switchyard` (and `ip6 switchyard`) decompiles every rule we write. One
 //! ruleset is one family's table; expressions take their `ip`/`ip6` spelling and address layout
 //! from the family they are rendered for.
@@ -64,7 +64,8 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    fn text(&self) -> String {
+    /// nft syntax.
+    pub fn text(&self) -> String {
         match self {
             Verdict::Drop => "drop".into(),
             Verdict::Return => "return".into(),
@@ -247,7 +248,8 @@ impl Hook {
             Hook::Postrouting => 4,
         }
     }
-    fn text(self) -> &'static str {
+    /// nft's name of the hook.
+    pub fn text(self) -> &'static str {
         match self {
             Hook::Prerouting => "prerouting",
             Hook::Input => "input",
@@ -300,7 +302,7 @@ pub enum KeyType {
 
 impl KeyType {
     /// The `type …` or `typeof …` line of a set or map definition in a table of `family`.
-    fn declaration(self, family: IpFamily, verdict_map: bool) -> String {
+    pub fn declaration(self, family: IpFamily, verdict_map: bool) -> String {
         let verdict = if verdict_map { " : verdict" } else { "" };
         let (addr, ip) = match family {
             IpFamily::V4 => ("ipv4_addr", "ip"),
@@ -356,7 +358,8 @@ pub enum Key {
 }
 
 impl Key {
-    fn text(&self) -> String {
+    /// nft syntax.
+    pub fn text(&self) -> String {
         match self {
             Key::Addr(a) => a.to_string(),
             Key::ProtoPort(p, n) => format!("{} . {n}", p.as_str()),

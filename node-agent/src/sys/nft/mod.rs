@@ -1,9 +1,75 @@
-//! nf_tables over netlink: the capability probe's throwaway table, the nftables backend's
-//! transactions ([`Session`], [`apply`]) and listings of our tables, and removing kube-proxy's
-//! tables on takeover.
+//! nf_tables: the object model ([`ir`]), its netlink codec ([`codec`]), the adapter trait the
+//! nftables backend programs through ([`NfTables`]) with the kernel's implementation
+//! ([`KernelNft`]) and an in-memory one ([`fake::FakeNft`]), the capability probe's throwaway
+//! table, and removing kube-proxy's tables on takeover.
 
-use super::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, Transport};
-use crate::Result;
+pub mod codec;
+pub mod fake;
+pub mod ir;
+
+use codec::{Batch, Msg};
+
+use super::{
+    error::{KernelError, KernelResult},
+    netlink::{MessageBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, Transport},
+};
+use crate::{Result, model::IpFamily};
+
+/// Which objects of our table a listing names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Objects {
+    /// Chains.
+    Chains,
+    /// Sets and maps.
+    Sets,
+}
+
+/// nf_tables as the nftables backend uses it: atomic transactions on our table of one family
+/// (`ip switchyard`, `ip6 switchyard`) and reads of it.
+///
+/// # Guarantees (of every implementation)
+/// - [`NfTables::apply`] commits the whole batch or nothing; a refusal names the failing message.
+/// - Reads see every transaction applied before them.
+pub trait NfTables: std::fmt::Debug + Send {
+    /// Commits `batch` atomically (an empty batch is a no-op).
+    fn apply(&mut self, batch: Batch) -> KernelResult<()>;
+    /// The names of `objects` in our table of `family`; empty when the table is absent.
+    fn list(&self, family: IpFamily, objects: Objects) -> KernelResult<Vec<String>>;
+    /// Whether our table of `family` exists.
+    fn table_exists(&self, family: IpFamily) -> KernelResult<bool>;
+    /// Whether any rule of our table of `family` carries `comment`.
+    fn rule_comment_exists(&self, family: IpFamily, comment: &str) -> KernelResult<bool>;
+}
+
+/// The kernel's nf_tables, over netlink: one [`Session`] per family, in the network namespace of
+/// the thread that first applies a batch.
+#[derive(Debug, Default)]
+pub struct KernelNft {
+    sessions: [Session; 2],
+}
+
+impl NfTables for KernelNft {
+    fn apply(&mut self, batch: Batch) -> KernelResult<()> {
+        let family = batch.family();
+        self.sessions[family as usize].apply(batch)?
+    }
+
+    fn list(&self, family: IpFamily, objects: Objects) -> KernelResult<Vec<String>> {
+        let msg = match objects {
+            Objects::Chains => Msg::GetChain,
+            Objects::Sets => Msg::GetSet,
+        };
+        Ok(list(family, msg)?)
+    }
+
+    fn table_exists(&self, family: IpFamily) -> KernelResult<bool> {
+        Ok(table_exists(family)?)
+    }
+
+    fn rule_comment_exists(&self, family: IpFamily, comment: &str) -> KernelResult<bool> {
+        Ok(rules_contain(family, comment.as_bytes())?)
+    }
+}
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -88,7 +154,7 @@ fn first_error(transport: &Transport, request: Vec<u8>, seq: u32, what: &str) ->
 
 /// Sends a whole nf_tables transaction (one batch) and returns the kernel's first refusal, if any.
 /// The socket buffers are sized for the batch so that large transactions stay atomic.
-pub fn apply(batch: crate::backend::nftables::encode::Batch) -> Result<std::result::Result<(), String>> {
+pub fn apply(batch: Batch) -> Result<KernelResult<()>> {
     Session::default().apply(batch)
 }
 
@@ -103,10 +169,7 @@ pub struct Session {
 
 impl Session {
     /// Like [`apply`], on this session's socket.
-    pub fn apply(
-        &mut self,
-        batch: crate::backend::nftables::encode::Batch,
-    ) -> Result<std::result::Result<(), String>> {
+    pub fn apply(&mut self, batch: Batch) -> Result<KernelResult<()>> {
         if batch.is_empty() {
             return Ok(Ok(()));
         }
@@ -123,19 +186,18 @@ impl Session {
     }
 }
 
-fn send_batch(
-    transport: &Transport,
-    batch: crate::backend::nftables::encode::Batch,
-) -> Result<std::result::Result<(), String>> {
+fn send_batch(transport: &Transport, batch: Batch) -> Result<KernelResult<()>> {
     let (bytes, acks) = batch.finish();
     transport.size_buffers(bytes.len() + 4096, 4 << 20)?;
     let replies = transport.request(&bytes, &acks)?;
     Ok(match replies.iter().find(|r| r.error.is_some_and(|e| e != 0)) {
-        Some(r) => Err(format!(
-            "message {} of {}: {}",
-            r.seq,
-            acks.last().copied().unwrap_or_default(),
-            std::io::Error::from_raw_os_error(-r.error.unwrap_or_default())
+        Some(r) => Err(KernelError::from_errno(
+            format!(
+                "nf_tables message {} of {}",
+                r.seq,
+                acks.last().copied().unwrap_or_default()
+            ),
+            r.error.unwrap_or_default(),
         )),
         None => Ok(()),
     })
@@ -143,11 +205,8 @@ fn send_batch(
 
 /// Names of objects in our table of `family` from a dump (`GETCHAIN` or `GETSET`); empty if the
 /// table is absent.
-pub fn list(
-    family: crate::model::IpFamily,
-    msg: crate::backend::nftables::encode::Msg,
-) -> Result<Vec<String>> {
-    use crate::backend::nftables::encode;
+pub fn list(family: IpFamily, msg: Msg) -> Result<Vec<String>> {
+    use codec as encode;
     let transport = Transport::open(NETLINK_NETFILTER)?;
     let replies = transport.dump(&encode::dump_request(family, msg, 1))?;
     let parse = if msg == encode::Msg::GetSet {
@@ -164,8 +223,8 @@ pub fn list(
 
 /// Whether any rule of our table of `family` carries `needle` in its attributes (for example a
 /// comment in its user data).
-pub fn rules_contain(family: crate::model::IpFamily, needle: &[u8]) -> Result<bool> {
-    use crate::backend::nftables::encode;
+pub fn rules_contain(family: IpFamily, needle: &[u8]) -> Result<bool> {
+    use codec as encode;
     let transport = Transport::open(NETLINK_NETFILTER)?;
     let replies = transport.dump(&encode::dump_request(family, encode::Msg::GetRule, 1))?;
     Ok(replies
@@ -175,12 +234,9 @@ pub fn rules_contain(family: crate::model::IpFamily, needle: &[u8]) -> Result<bo
 }
 
 /// Whether our table of `family` exists.
-pub fn table_exists(family: crate::model::IpFamily) -> Result<bool> {
+pub fn table_exists(family: IpFamily) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
-    let replies = transport.request(
-        &crate::backend::nftables::encode::get_table_request(family, 1),
-        &[1],
-    )?;
+    let replies = transport.request(&codec::get_table_request(family, 1), &[1])?;
     Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
 }
 
