@@ -3,7 +3,9 @@
 mod common;
 mod node_proxy;
 mod proxy_policy;
+mod switch_outcome;
 
 pub use common::*;
 pub use node_proxy::*;
 pub use proxy_policy::*;
+pub use switch_outcome::*;
