@@ -1,6 +1,6 @@
 //! `kubectl switchyard`: the kubectl experience of Switchyard.
 //!
-//! - `plan` runs the operator's own wave planner ([`switchyard_operator::planner::plan`]) over the
+//! - `plan` runs the operator's own wave planner ([`switchyard_planner::plan`]) over the
 //!   cluster's Nodes, NodeProxies and ProxyPolicies (optionally with a policy from a file in place of
 //!   the cluster's copy) and shows the waves and nodes the operator will use;
 //! - `status` shows a policy's status: phase, counters, waves and conditions;
@@ -17,9 +17,9 @@ use k8s_openapi::{api::core::v1::Node, jiff::Timestamp};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use switchyard_crds::v1alpha1::{NodeProxy, ProxyPolicy, ProxyPolicyStatus, WaveState};
-use switchyard_operator::planner::{self, APPROVE_PREFIX, NodeInput, NodeProxyInput, PolicyInput};
+use switchyard_planner::{self as planner, APPROVE_PREFIX, NodeInput, NodeProxyInput, PolicyInput};
 
-pub use switchyard_operator::planner::ROLLBACK_ANNOTATION;
+pub use switchyard_planner::ROLLBACK_ANNOTATION;
 
 /// Errors of the plugin.
 #[derive(Debug, thiserror::Error)]

@@ -41,7 +41,8 @@
 //! `UnknownAnnotations=True` and an Event. An empty wave that requires approval waits for it.
 //!
 //! # Layout
-//! - [`planner`]: the pure wave planner (all decisions, table-tested).
+//! - [`planner`]: the pure wave planner (all decisions, table-tested), the `switchyard-planner` crate
+//!   re-exported.
 //! - [`controller`]: watch caches, leader election (Lease, kube-lease-manager), the kube-runtime
 //!   Controller, `/healthz` and `/metrics`.
 //! - [`lease`]: leader election that survives the API going away; [`retry`]: the short watch
@@ -68,7 +69,7 @@ pub mod error;
 pub mod fleet;
 pub mod lease;
 pub mod metrics;
-pub mod planner;
+pub use switchyard_planner as planner;
 pub mod retry;
 
 pub use error::{Error, Result};
