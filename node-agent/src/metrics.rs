@@ -106,6 +106,15 @@ impl Metrics {
             state_file_problem: Gauge::default(),
             registry: Registry::default(),
         };
+        m.register_kube_proxy(&mut registry);
+        m.register_switchyard(&mut registry);
+        m.apiserver_reachable.set(1);
+        Self { registry, ..m }
+    }
+
+    /// Registers kube-proxy's metrics (`kubeproxy_*`).
+    fn register_kube_proxy(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
@@ -161,6 +170,11 @@ impl Metrics {
             "Cumulative proxy livez HTTP status",
             m.livez_total.clone(),
         );
+    }
+
+    /// Registers Switchyard's own metrics (`switchyard_*`).
+    fn register_switchyard(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "switchyard_sync_failures",
             "Syncs that failed, by mode",
@@ -196,8 +210,6 @@ impl Metrics {
             "1 while the persisted switch state is unreadable, stale or unwritable",
             m.state_file_problem.clone(),
         );
-        m.apiserver_reachable.set(1);
-        Self { registry, ..m }
     }
 
     /// Prometheus text exposition.

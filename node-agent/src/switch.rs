@@ -304,66 +304,10 @@ pub fn start_state(
         .filter(|(_, p)| *p == Presence::Serving)
         .map(|(m, _)| *m)
         .collect();
-    let pick = |preferred: &[Option<ProxyMode>]| {
-        preferred
-            .iter()
-            .flatten()
-            .find(|m| serving.contains(m))
-            .or(serving.first())
-            .copied()
-            .unwrap_or(initial)
-    };
-    let trusted = |state: &SwitchState| Start {
-        state: state.clone(),
-        problem: None,
-        result: None,
-    };
-    let present = |mode: ProxyMode| kernel.iter().any(|(m, p)| *m == mode && *p != Presence::Absent);
     match loaded {
-        Loaded::Valid(state) => {
-            let serve = recover(state).serve;
-            // Mid-switch, either side may serve (the cut-over moves the entry points), as long as
-            // the backend being left is still there (only Cleaning removes it).
-            let mid_switch_agrees = state.phase != Phase::Active
-                && (present(state.active) || state.phase == Phase::Cleaning)
-                && serving
-                    .iter()
-                    .all(|m| *m == state.active || Some(*m) == state.target);
-            if serving.is_empty() || serving.contains(&serve) || mid_switch_agrees {
-                return trusted(state);
-            }
-            let keep = pick(&[state.target, Some(initial)]);
-            // The switch the file missed the end of evidently finished: its token is answered.
-            let finished = state.phase != Phase::Active && Some(keep) == state.target;
-            let answered = if finished {
-                state.token.clone().or_else(|| state.answered.clone())
-            } else {
-                state.answered.clone()
-            };
-            Start {
-                result: finished.then(|| {
-                    (
-                        "Succeeded",
-                        "the switch had finished (the kernel serves only its target); the state file missed its end"
-                            .to_owned(),
-                    )
-                }),
-                state: SwitchState {
-                    answered,
-                    ..SwitchState::active(keep)
-                },
-                problem: Some((
-                    "StateFileStale",
-                    format!(
-                        "the state file says {serve} serves ({:?}), but the kernel serves {}: keeping {keep}",
-                        state.phase,
-                        modes_text(&serving)
-                    ),
-                )),
-            }
-        }
+        Loaded::Valid(state) => start_from(state, kernel, &serving, initial),
         Loaded::Absent => {
-            let keep = pick(&[Some(initial)]);
+            let keep = pick(&serving, &[Some(initial)], initial);
             let problem = (keep != initial || serving.len() > 1).then(|| {
                 (
                     "StateFileMissing",
@@ -380,7 +324,7 @@ pub fn start_state(
             }
         }
         Loaded::Corrupt(why) => {
-            let keep = pick(&[Some(initial)]);
+            let keep = pick(&serving, &[Some(initial)], initial);
             Start {
                 state: SwitchState::active(keep),
                 result: None,
@@ -393,6 +337,74 @@ pub fn start_state(
                 )),
             }
         }
+    }
+}
+
+/// The serving mode to keep: the first of `preferred` that serves, else any that serves, else
+/// `initial`.
+fn pick(serving: &[ProxyMode], preferred: &[Option<ProxyMode>], initial: ProxyMode) -> ProxyMode {
+    preferred
+        .iter()
+        .flatten()
+        .find(|m| serving.contains(m))
+        .or(serving.first())
+        .copied()
+        .unwrap_or(initial)
+}
+
+/// The start state from a valid persisted `state`: trusted when the kernel agrees with it,
+/// otherwise the kernel's serving backend is kept (see [`start_state`]).
+fn start_from(
+    state: &SwitchState,
+    kernel: &[(ProxyMode, crate::backend::Presence)],
+    serving: &[ProxyMode],
+    initial: ProxyMode,
+) -> Start {
+    use crate::backend::Presence;
+    let present = |mode: ProxyMode| kernel.iter().any(|(m, p)| *m == mode && *p != Presence::Absent);
+    let serve = recover(state).serve;
+    // Mid-switch, either side may serve (the cut-over moves the entry points), as long as the
+    // backend being left is still there (only Cleaning removes it).
+    let mid_switch_agrees = state.phase != Phase::Active
+        && (present(state.active) || state.phase == Phase::Cleaning)
+        && serving
+            .iter()
+            .all(|m| *m == state.active || Some(*m) == state.target);
+    if serving.is_empty() || serving.contains(&serve) || mid_switch_agrees {
+        return Start {
+            state: state.clone(),
+            problem: None,
+            result: None,
+        };
+    }
+    let keep = pick(serving, &[state.target, Some(initial)], initial);
+    // The switch the file missed the end of evidently finished: its token is answered.
+    let finished = state.phase != Phase::Active && Some(keep) == state.target;
+    let answered = if finished {
+        state.token.clone().or_else(|| state.answered.clone())
+    } else {
+        state.answered.clone()
+    };
+    Start {
+        result: finished.then(|| {
+            (
+                "Succeeded",
+                "the switch had finished (the kernel serves only its target); the state file missed its end"
+                    .to_owned(),
+            )
+        }),
+        state: SwitchState {
+            answered,
+            ..SwitchState::active(keep)
+        },
+        problem: Some((
+            "StateFileStale",
+            format!(
+                "the state file says {serve} serves ({:?}), but the kernel serves {}: keeping {keep}",
+                state.phase,
+                modes_text(serving)
+            ),
+        )),
     }
 }
 
