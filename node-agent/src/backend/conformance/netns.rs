@@ -25,11 +25,6 @@ impl TestNetns {
         Self(name)
     }
 
-    /// The namespace's name.
-    pub fn name(&self) -> &str {
-        &self.0
-    }
-
     /// Runs `f` on a thread inside the namespace (netlink sockets it opens belong to it).
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         let path = format!("/run/netns/{}", self.0);

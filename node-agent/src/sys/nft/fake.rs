@@ -499,6 +499,29 @@ fn priority_text(base: &BaseChain) -> String {
     }
 }
 
+/// A rule as nft lists it: the `meta l4proto tcp` a `reject with tcp reset` depends on is implied,
+/// so nft leaves it out.
+fn listed_rule(rule: &Rule) -> std::borrow::Cow<'_, Rule> {
+    let implied = |w: &[Expr]| {
+        matches!(
+            w,
+            [Expr::L4Proto(crate::model::Protocol::Tcp), Expr::RejectTcpReset]
+        )
+    };
+    if !rule.exprs.windows(2).any(implied) {
+        return std::borrow::Cow::Borrowed(rule);
+    }
+    let mut listed = rule.clone();
+    let mut i = 0;
+    while i + 1 < listed.exprs.len() {
+        if implied(&listed.exprs[i..i + 2]) {
+            listed.exprs.remove(i);
+        }
+        i += 1;
+    }
+    std::borrow::Cow::Owned(listed)
+}
+
 fn chain_text(family: IpFamily, c: &FakeChain) -> String {
     let mut s = format!("\tchain {} {{\n", c.name);
     if let Some(b) = &c.base {
@@ -511,7 +534,7 @@ fn chain_text(family: IpFamily, c: &FakeChain) -> String {
         );
     }
     for rule in &c.rules {
-        let _ = writeln!(s, "\t\t{}", rule.text(family));
+        let _ = writeln!(s, "\t\t{}", listed_rule(rule).text(family));
     }
     s.push_str("\t}\n");
     s
