@@ -18,6 +18,15 @@
 //! - **writes**: the NodeProxy spec of every governed node, and the ProxyPolicy status with its
 //!   conditions; **events** for transitions against the previous status.
 //!
+//! Each policy is planned by a pipeline of stages, each a function with a named result that is
+//! table-tested alone (module `policy`): classify (per-node state) → waves (assignment, pinned by
+//! the previous status) → budget (`maxFailures`, rollback, `maxUnavailable`) → gates (the wave walk:
+//! hold, admissions, soak) → writes → status (phase, headline, counts) → conditions → events.
+//!
+//! The crate is pure: no API client calls, no server, no async runtime, no IO (the maintenance
+//! window's time zone comes from jiff's bundled database). The operator (`operator::planner`) and
+//! `kubectl switchyard plan` both run it.
+//!
 //! Progress is derived from NodeProxy state (spec written by the operator, status by the agents),
 //! never from memory: a released node is one whose spec asks for the policy's mode with a rollout
 //! token of this policy; a wave is complete when all its nodes are healthy (or the previous status
@@ -45,6 +54,29 @@ use switchyard_crds::v1alpha1::{
 };
 
 use selector::Selector;
+
+/// Errors of the planner: a maintenance window it cannot evaluate (the plan then holds the wave
+/// and says why).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// `spec.rollout.window.timeZone` is not in the tz database.
+    #[error("window.timeZone {zone:?} is not a known IANA time zone")]
+    TimeZone {
+        /// The zone as written.
+        zone: String,
+    },
+    /// `spec.rollout.window.start` or `.end` is not `HH:MM`.
+    #[error("window.{field} {value:?} is not HH:MM")]
+    Time {
+        /// `start` or `end`.
+        field: &'static str,
+        /// The value as written.
+        value: String,
+    },
+}
+
+/// Result alias of the planner.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Annotation prefix approving a wave: `approve.switchyard.dev/<wave>: "<generation>"`.
 pub const APPROVE_PREFIX: &str = "approve.switchyard.dev/";

@@ -4,6 +4,8 @@
 use jiff::{Timestamp, civil::Weekday as CivilWeekday, tz::TimeZone};
 use switchyard_crds::v1alpha1::{MaintenanceWindow, Weekday};
 
+use crate::{Error, Result};
+
 /// Parses `HH:MM` into minutes after midnight.
 fn minutes(hhmm: &str) -> Option<u32> {
     let (h, m) = hhmm.split_once(':')?;
@@ -28,17 +30,22 @@ fn civil_index(day: CivilWeekday) -> i8 {
 }
 
 /// Whether `window` is open at `now`. A window whose end is before its start runs past midnight;
-/// its `days` name the day it opens. Errors describe a bad time zone or time for people.
-pub fn is_open(window: &MaintenanceWindow, now: Timestamp) -> Result<bool, String> {
-    let tz = TimeZone::get(&window.time_zone).map_err(|_| {
-        format!(
-            "window.timeZone {:?} is not a known IANA time zone",
-            window.time_zone
-        )
+/// its `days` name the day it opens.
+///
+/// # Errors
+/// [`Error::TimeZone`] and [`Error::Time`] describe a bad time zone or time for people.
+pub fn is_open(window: &MaintenanceWindow, now: Timestamp) -> Result<bool> {
+    let tz = TimeZone::get(&window.time_zone).map_err(|_| Error::TimeZone {
+        zone: window.time_zone.clone(),
     })?;
-    let start =
-        minutes(&window.start).ok_or_else(|| format!("window.start {:?} is not HH:MM", window.start))?;
-    let end = minutes(&window.end).ok_or_else(|| format!("window.end {:?} is not HH:MM", window.end))?;
+    let time = |field: &'static str, value: &str| {
+        minutes(value).ok_or_else(|| Error::Time {
+            field,
+            value: value.to_owned(),
+        })
+    };
+    let start = time("start", &window.start)?;
+    let end = time("end", &window.end)?;
     let local = now.to_zoned(tz);
     let minute = u32::from(local.hour().unsigned_abs()) * 60 + u32::from(local.minute().unsigned_abs());
     let today = civil_index(local.weekday());
@@ -154,6 +161,28 @@ mod tests {
             &window(&[], "01:00", "02:00", "Mars/Olympus"),
             at("2025-01-06T00:00:00Z"),
         );
-        assert!(err.is_err_and(|e| e.contains("Mars/Olympus")));
+        assert!(err.is_err_and(|e| e.to_string().contains("Mars/Olympus")));
+    }
+
+    #[test]
+    fn errors_read_for_people() {
+        let at0 = at("2025-01-06T00:00:00Z");
+        let cases = [
+            (
+                window(&[], "01:00", "02:00", "Mars/Olympus"),
+                "window.timeZone \"Mars/Olympus\" is not a known IANA time zone",
+            ),
+            (
+                window(&[], "25:00", "02:00", "UTC"),
+                "window.start \"25:00\" is not HH:MM",
+            ),
+            (
+                window(&[], "01:00", "2am", "UTC"),
+                "window.end \"2am\" is not HH:MM",
+            ),
+        ];
+        for (w, want) in cases {
+            assert_eq!(is_open(&w, at0).unwrap_err().to_string(), want);
+        }
     }
 }
