@@ -148,24 +148,7 @@ pub fn plan_for(
     let existing = cluster
         .iter()
         .find(|p| p.metadata.name.as_deref() == Some(name.as_str()));
-    let mut merged = match existing {
-        Some(live) => {
-            let mut m = live.clone();
-            if live.spec != target.spec {
-                m.spec = target.spec.clone();
-                m.metadata.generation = Some(live.metadata.generation.unwrap_or(0) + 1);
-            }
-            m
-        }
-        None => {
-            let mut m = target.clone();
-            m.metadata.generation = Some(m.metadata.generation.unwrap_or(1).max(1));
-            m
-        }
-    };
-    if merged.metadata.generation.is_none() {
-        merged.metadata.generation = Some(1);
-    }
+    let mut merged = merged_policy(target, existing);
     let exact_order = merged.metadata.uid.is_some();
     merged.metadata.uid.get_or_insert_with(String::new);
     let mut inputs: Vec<PolicyInput> = cluster
@@ -187,6 +170,41 @@ pub fn plan_for(
     let pp = plan
         .policy(&name)
         .ok_or_else(|| Error::Usage(format!("the planner returned no plan for {name}")))?;
+    Ok(report(name, &merged, exact_order, pp, proxies))
+}
+
+/// The policy to plan: `target` over the cluster's copy (`existing`), its generation bumped when
+/// the spec changes, and at least 1.
+fn merged_policy(target: &ProxyPolicy, existing: Option<&ProxyPolicy>) -> ProxyPolicy {
+    let mut merged = match existing {
+        Some(live) => {
+            let mut m = live.clone();
+            if live.spec != target.spec {
+                m.spec = target.spec.clone();
+                m.metadata.generation = Some(live.metadata.generation.unwrap_or(0) + 1);
+            }
+            m
+        }
+        None => {
+            let mut m = target.clone();
+            m.metadata.generation = Some(m.metadata.generation.unwrap_or(1).max(1));
+            m
+        }
+    };
+    if merged.metadata.generation.is_none() {
+        merged.metadata.generation = Some(1);
+    }
+    merged
+}
+
+/// The report of the planner's plan `pp` of `merged`.
+fn report(
+    name: String,
+    merged: &ProxyPolicy,
+    exact_order: bool,
+    pp: &planner::PolicyPlan,
+    proxies: &[NodeProxy],
+) -> PlanReport {
     let active = |node: &str| {
         proxies
             .iter()
@@ -223,7 +241,7 @@ pub fn plan_for(
         })
         .collect();
     let condition = |t: &str| pp.status.conditions.iter().find(|c| c.type_ == t);
-    Ok(PlanReport {
+    PlanReport {
         policy: name,
         mode: merged.spec.mode.to_string(),
         generation: merged.metadata.generation.unwrap_or(1),
@@ -237,7 +255,7 @@ pub fn plan_for(
         conflict: condition(planner::conditions::CONFLICT)
             .filter(|c| c.status == "True")
             .map(|c| c.message.clone()),
-    })
+    }
 }
 
 /// Lays out rows as a left-aligned table with two spaces between columns.

@@ -151,118 +151,12 @@ async fn run(args: Args) -> Result<()> {
             name,
             filename,
             output,
-        } => {
-            let cluster = policies
-                .list(&ListParams::default())
-                .await
-                .map_err(kube_err("list proxypolicies"))?
-                .items;
-            let targets: Vec<ProxyPolicy> = match (&filename, &name) {
-                (Some(path), _) => {
-                    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-                        path: path.display().to_string(),
-                        detail: e.to_string(),
-                    })?;
-                    let all = policies_from_yaml(&path.display().to_string(), &text)?;
-                    let chosen: Vec<ProxyPolicy> = all
-                        .into_iter()
-                        .filter(|p| name.is_none() || p.metadata.name == name)
-                        .collect();
-                    if chosen.is_empty() {
-                        return Err(Error::Usage(format!(
-                            "{}: no ProxyPolicy{} in the file",
-                            path.display(),
-                            name.as_deref().map(|n| format!(" named {n}")).unwrap_or_default()
-                        )));
-                    }
-                    chosen
-                }
-                (None, Some(n)) => vec![
-                    cluster
-                        .iter()
-                        .find(|p| p.metadata.name.as_deref() == Some(n.as_str()))
-                        .cloned()
-                        .ok_or_else(|| {
-                            Error::Usage(format!(
-                                "proxypolicy {n} not found (use -f FILE for a policy not applied yet)"
-                            ))
-                        })?,
-                ],
-                (None, None) => return Err(Error::Usage("name a policy, or pass -f FILE".into())),
-            };
-            let nodes = Api::<Node>::all(client.clone())
-                .list(&ListParams::default())
-                .await
-                .map_err(kube_err("list nodes"))?
-                .items;
-            let proxies = Api::<NodeProxy>::all(client.clone())
-                .list(&ListParams::default())
-                .await
-                .map_err(kube_err("list nodeproxies"))?
-                .items;
-            // Policies from the file also take part in each other's precedence.
-            let mut universe = cluster.clone();
-            for t in &targets {
-                if !universe.iter().any(|p| p.metadata.name == t.metadata.name) {
-                    universe.push(t.clone());
-                }
-            }
-            let now = Timestamp::now();
-            let mut reports = Vec::new();
-            for t in &targets {
-                reports.push(plan_for(t, &universe, &nodes, &proxies, now)?);
-            }
-            match output {
-                Output::Json => {
-                    let text = serde_json::to_string_pretty(&reports)
-                        .map_err(|e| Error::Usage(format!("json: {e}")))?;
-                    println!("{text}");
-                }
-                Output::Table => {
-                    let texts: Vec<String> = reports.iter().map(render_plan).collect();
-                    print!("{}", texts.join("\n"));
-                }
-            }
-        }
+        } => plan(&client, &policies, name, filename, output).await,
         Command::Status { name: Some(name) } => {
             print!("{}", render_status(&get_policy(&policies, &name).await?));
+            Ok(())
         }
-        Command::Status { name: None } => {
-            let list = policies
-                .list(&ListParams::default())
-                .await
-                .map_err(kube_err("list proxypolicies"))?
-                .items;
-            let rows: Vec<Vec<String>> = list
-                .iter()
-                .map(|p| {
-                    let s = p.status.clone().unwrap_or_default();
-                    vec![
-                        p.metadata.name.clone().unwrap_or_default(),
-                        p.spec.mode.to_string(),
-                        p.spec.priority.to_string(),
-                        s.phase.map(|x| format!("{x:?}")).unwrap_or_else(|| "-".into()),
-                        s.current_wave.unwrap_or_else(|| "-".into()),
-                        format!("{}/{}", s.healthy_nodes, s.target_nodes),
-                        s.failed_nodes.to_string(),
-                        s.conditions
-                            .iter()
-                            .find(|c| c.type_ == "Ready")
-                            .map(|c| c.message.clone())
-                            .unwrap_or_default(),
-                    ]
-                })
-                .collect();
-            print!(
-                "{}",
-                table(
-                    &[
-                        "NAME", "MODE", "PRIORITY", "PHASE", "WAVE", "HEALTHY", "FAILED", "MESSAGE"
-                    ],
-                    &rows
-                )
-            );
-        }
+        Command::Status { name: None } => status_all(&policies).await,
         Command::Approve { name, wave } => {
             let p = get_policy(&policies, &name).await?;
             let wave = wave_to_approve(&p, wave.as_deref())?;
@@ -271,42 +165,173 @@ async fn run(args: Args) -> Result<()> {
                 "proxypolicy/{name}: wave {wave} approved for generation {}",
                 done.metadata.generation.unwrap_or(0)
             );
+            Ok(())
         }
         Command::Pause { name } => {
             patch(&policies, &name, &pause_patch(true)).await?;
             println!("proxypolicy/{name} paused: no new switches start (running ones finish)");
+            Ok(())
         }
-        Command::Resume { name } => {
-            let p = get_policy(&policies, &name).await?;
-            let rollback_in_force = p
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(ROLLBACK_ANNOTATION))
-                .is_some_and(|v| v.trim().parse::<i64>().ok() == p.metadata.generation);
-            if !p.spec.rollout.paused && rollback_in_force {
+        Command::Resume { name } => resume(&policies, &name).await,
+        Command::Rollback { name } => rollback(&policies, &name).await,
+    }
+}
+
+async fn list<K>(api: &Api<K>, what: &str) -> Result<Vec<K>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api
+        .list(&ListParams::default())
+        .await
+        .map_err(kube_err(format!("list {what}")))?
+        .items)
+}
+
+/// The policies `plan` plans: from the file (all, or the one named), else the cluster's copy.
+fn plan_targets(
+    cluster: &[ProxyPolicy],
+    name: Option<String>,
+    filename: Option<PathBuf>,
+) -> Result<Vec<ProxyPolicy>> {
+    match (&filename, &name) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+                path: path.display().to_string(),
+                detail: e.to_string(),
+            })?;
+            let all = policies_from_yaml(&path.display().to_string(), &text)?;
+            let chosen: Vec<ProxyPolicy> = all
+                .into_iter()
+                .filter(|p| name.is_none() || p.metadata.name == name)
+                .collect();
+            if chosen.is_empty() {
                 return Err(Error::Usage(format!(
-                    "proxypolicy/{name} is not paused but rolled back for generation {}: the rollback holds until the spec changes (edit the spec, e.g. pause and resume)",
-                    p.metadata.generation.unwrap_or(0)
+                    "{}: no ProxyPolicy{} in the file",
+                    path.display(),
+                    name.as_deref().map(|n| format!(" named {n}")).unwrap_or_default()
                 )));
             }
-            patch(&policies, &name, &pause_patch(false)).await?;
-            println!("proxypolicy/{name} resumed");
+            Ok(chosen)
         }
-        Command::Rollback { name } => {
-            let p = get_policy(&policies, &name).await?;
-            let (target, body) = rollback_patch(&p);
-            let done = patch(&policies, &name, &body).await?;
-            let generation = done.metadata.generation.unwrap_or(0);
-            if generation != target {
-                // The generation moved differently than expected: name the one it has now.
-                let fix = serde_json::json!({"metadata": {"annotations": {ROLLBACK_ANNOTATION: generation.to_string()}}});
-                patch(&policies, &name, &fix).await?;
-            }
-            println!(
-                "proxypolicy/{name} paused and rolling back (generation {generation}): nodes this rollout switched return to their previous mode; `kubectl switchyard resume {name}` rolls forward again"
-            );
+        (None, Some(n)) => Ok(vec![
+            cluster
+                .iter()
+                .find(|p| p.metadata.name.as_deref() == Some(n.as_str()))
+                .cloned()
+                .ok_or_else(|| {
+                    Error::Usage(format!(
+                        "proxypolicy {n} not found (use -f FILE for a policy not applied yet)"
+                    ))
+                })?,
+        ]),
+        (None, None) => Err(Error::Usage("name a policy, or pass -f FILE".into())),
+    }
+}
+
+async fn plan(
+    client: &Client,
+    policies: &Api<ProxyPolicy>,
+    name: Option<String>,
+    filename: Option<PathBuf>,
+    output: Output,
+) -> Result<()> {
+    let cluster = list(policies, "proxypolicies").await?;
+    let targets = plan_targets(&cluster, name, filename)?;
+    let nodes = list(&Api::<Node>::all(client.clone()), "nodes").await?;
+    let proxies = list(&Api::<NodeProxy>::all(client.clone()), "nodeproxies").await?;
+    // Policies from the file also take part in each other's precedence.
+    let mut universe = cluster.clone();
+    for t in &targets {
+        if !universe.iter().any(|p| p.metadata.name == t.metadata.name) {
+            universe.push(t.clone());
         }
     }
+    let now = Timestamp::now();
+    let mut reports = Vec::new();
+    for t in &targets {
+        reports.push(plan_for(t, &universe, &nodes, &proxies, now)?);
+    }
+    match output {
+        Output::Json => {
+            let text =
+                serde_json::to_string_pretty(&reports).map_err(|e| Error::Usage(format!("json: {e}")))?;
+            println!("{text}");
+        }
+        Output::Table => {
+            let texts: Vec<String> = reports.iter().map(render_plan).collect();
+            print!("{}", texts.join("\n"));
+        }
+    }
+    Ok(())
+}
+
+async fn status_all(policies: &Api<ProxyPolicy>) -> Result<()> {
+    let list = list(policies, "proxypolicies").await?;
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|p| {
+            let s = p.status.clone().unwrap_or_default();
+            vec![
+                p.metadata.name.clone().unwrap_or_default(),
+                p.spec.mode.to_string(),
+                p.spec.priority.to_string(),
+                s.phase.map(|x| format!("{x:?}")).unwrap_or_else(|| "-".into()),
+                s.current_wave.unwrap_or_else(|| "-".into()),
+                format!("{}/{}", s.healthy_nodes, s.target_nodes),
+                s.failed_nodes.to_string(),
+                s.conditions
+                    .iter()
+                    .find(|c| c.type_ == "Ready")
+                    .map(|c| c.message.clone())
+                    .unwrap_or_default(),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(
+            &[
+                "NAME", "MODE", "PRIORITY", "PHASE", "WAVE", "HEALTHY", "FAILED", "MESSAGE"
+            ],
+            &rows
+        )
+    );
+    Ok(())
+}
+
+async fn resume(policies: &Api<ProxyPolicy>, name: &str) -> Result<()> {
+    let p = get_policy(policies, name).await?;
+    let rollback_in_force = p
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ROLLBACK_ANNOTATION))
+        .is_some_and(|v| v.trim().parse::<i64>().ok() == p.metadata.generation);
+    if !p.spec.rollout.paused && rollback_in_force {
+        return Err(Error::Usage(format!(
+            "proxypolicy/{name} is not paused but rolled back for generation {}: the rollback holds until the spec changes (edit the spec, e.g. pause and resume)",
+            p.metadata.generation.unwrap_or(0)
+        )));
+    }
+    patch(policies, name, &pause_patch(false)).await?;
+    println!("proxypolicy/{name} resumed");
+    Ok(())
+}
+
+async fn rollback(policies: &Api<ProxyPolicy>, name: &str) -> Result<()> {
+    let p = get_policy(policies, name).await?;
+    let (target, body) = rollback_patch(&p);
+    let done = patch(policies, name, &body).await?;
+    let generation = done.metadata.generation.unwrap_or(0);
+    if generation != target {
+        // The generation moved differently than expected: name the one it has now.
+        let fix =
+            serde_json::json!({"metadata": {"annotations": {ROLLBACK_ANNOTATION: generation.to_string()}}});
+        patch(policies, name, &fix).await?;
+    }
+    println!(
+        "proxypolicy/{name} paused and rolling back (generation {generation}): nodes this rollout switched return to their previous mode; `kubectl switchyard resume {name}` rolls forward again"
+    );
     Ok(())
 }
