@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod binaries;
 pub mod cluster;
+pub mod conformance;
 pub mod controlplane;
 pub mod images;
 pub mod kernel;

@@ -8,6 +8,10 @@ pub const ENOENT: i32 = 2;
 pub const EPERM: i32 = 1;
 /// `EACCES`.
 pub const EACCES: i32 = 13;
+/// `EIO`.
+pub const EIO: i32 = 5;
+/// `EROFS`.
+pub const EROFS: i32 = 30;
 /// `EBUSY`.
 pub const EBUSY: i32 = 16;
 /// `EEXIST`.

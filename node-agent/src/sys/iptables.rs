@@ -2,6 +2,8 @@
 //! variant: the only place the iptables backend runs processes. Optionally every command runs in a
 //! named network namespace (`ip netns exec NS ...`), which the kernel tests use.
 
+pub mod fake;
+
 use std::str::FromStr;
 
 use crate::model::IpFamily;
@@ -414,6 +416,47 @@ fn failed_line(stderr: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// One family's iptables tools as the backends use them: `iptables-save` of a table,
+/// `iptables-restore --noflush` of an input, and removing every copy of a rule.
+///
+/// # Guarantees (of every implementation)
+/// - `restore` applies the whole input or fails naming the line it refused.
+/// - `save` lists user chains sorted, and each chain's rules in order, as `iptables-save` does.
+pub trait SaveRestore: std::fmt::Debug + Send {
+    /// The IP family whose tables the tools edit.
+    fn family(&self) -> IpFamily;
+    /// The `iptables` tool's name, for messages (e.g. `ip6tables-legacy`).
+    fn tool(&self) -> String;
+    /// `iptables-save -t TABLE`.
+    fn save(&self, table: Table) -> Result<String, IptablesError>;
+    /// `iptables-restore --noflush --counters` of `input`.
+    fn restore(&mut self, input: &str) -> Result<(), IptablesError>;
+    /// Deletes every copy of the rule `spec` in `chain`; absent rules and chains are fine.
+    fn remove_rule(&mut self, table: Table, chain: &str, spec: &[&str]) -> Result<usize, IptablesError>;
+}
+
+impl SaveRestore for Iptables {
+    fn family(&self) -> IpFamily {
+        Iptables::family(self)
+    }
+
+    fn tool(&self) -> String {
+        self.binary("iptables")
+    }
+
+    fn save(&self, table: Table) -> Result<String, IptablesError> {
+        Iptables::save(self, table)
+    }
+
+    fn restore(&mut self, input: &str) -> Result<(), IptablesError> {
+        Iptables::restore(self, input)
+    }
+
+    fn remove_rule(&mut self, table: Table, chain: &str, spec: &[&str]) -> Result<usize, IptablesError> {
+        Iptables::remove_rule(self, table, chain, spec)
+    }
 }
 
 /// Chooses the variant the host uses, like the iptables wrappers of Kubernetes images: the one

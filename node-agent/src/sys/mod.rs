@@ -12,5 +12,6 @@ pub mod ipvs;
 pub mod link;
 pub mod netlink;
 pub mod nft;
+pub mod sysctl;
 
 pub use error::{KernelError, KernelResult};

@@ -12,7 +12,8 @@
 //! IPv4 goes through `iptables-*`, IPv6 through `ip6tables-*` of the same variant, each with its
 //! own snapshot and chain tracking; a sync does IPv4 first, then IPv6.
 //!
-//! All processes are run by [`crate::sys::iptables`].
+//! All processes are run by [`crate::sys::iptables`], through the [`SaveRestore`] adapter (one
+//! per family) and the [`Sysctl`] adapter, so the backend also runs on their fakes.
 
 pub mod render;
 
@@ -25,7 +26,10 @@ use switchyard_crds::v1alpha1::ProxyMode;
 
 use crate::backend::{Backend, BackendError, FamilyResults, Settings, SyncStats};
 use crate::model::{Changes, DualSnapshot, IpFamily, ServiceName, Snapshot, ports_of};
-use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
+use crate::sys::{
+    iptables::{Iptables, IptablesError, SaveRestore, Table, Variant},
+    sysctl::{HostSysctl, Sysctl},
+};
 
 use render::{
     CHAIN_PREFIX, EXTERNAL_SERVICES, FIREWALL, FORWARD, NODEPORTS, POSTROUTING, PROXY_FIREWALL, SERVICES,
@@ -134,21 +138,26 @@ impl From<IptablesError> for BackendError {
     }
 }
 
-/// The iptables data plane.
+/// The iptables data plane, on the tools `I` (one per family) and the sysctls `S`.
 #[derive(Debug)]
-pub struct IptablesBackend {
+pub struct IptablesProxier<I: SaveRestore = Iptables, S: Sysctl = HostSysctl> {
     variant: Variant,
     settings: Settings,
     /// `iptables` (IPv4) and `ip6tables` (IPv6).
-    families: [FamilyTables; 2],
+    families: [FamilyTables<I>; 2],
     /// Entry points off: no jump rules from built-in chains into ours.
     bypassed: bool,
+    /// Where `route_localnet` is set.
+    sysctl: S,
 }
+
+/// The iptables data plane on the kernel's tools.
+pub type IptablesBackend = IptablesProxier<Iptables, HostSysctl>;
 
 /// One family's tools and what we programmed with them.
 #[derive(Debug)]
-struct FamilyTables {
-    ipt: Iptables,
+struct FamilyTables<I> {
+    ipt: I,
     /// Our chains in the kernel after the last successful sync, per table.
     filter_chains: BTreeSet<String>,
     nat_chains: BTreeSet<String>,
@@ -171,27 +180,51 @@ impl IptablesBackend {
     /// A backend whose every command runs in network namespace `netns` (`ip netns exec`), or in
     /// the current one with `None`.
     pub fn with_netns(variant: Variant, settings: Settings, netns: Option<String>) -> Self {
-        let tables = |family| FamilyTables {
-            ipt: Iptables::new(variant, netns.clone()).for_family(family),
-            filter_chains: BTreeSet::new(),
-            nat_chains: BTreeSet::new(),
-            services: BTreeSet::new(),
-            needs_full: true,
-            results: FamilyResults::default(),
-            localnet_warned: false,
-        };
-        Self {
-            variant,
-            settings,
-            families: IpFamily::ALL.map(tables),
-            bypassed: false,
-        }
+        let tools = IpFamily::ALL.map(|family| Iptables::new(variant, netns.clone()).for_family(family));
+        Self::with_adapters(variant, settings, tools, HostSysctl::new(netns))
     }
 
     /// A backend for the variant named `"legacy"` or `"nft"`.
     pub fn from_variant_name(name: &str, settings: Settings) -> Result<Self, BackendError> {
         let variant = name.parse::<Variant>()?;
         Ok(Self::new(variant, settings))
+    }
+}
+
+impl<I: SaveRestore, S: Sysctl> IptablesProxier<I, S> {
+    /// A backend on `tools` (IPv4, then IPv6) and `sysctl`, reporting `variant`.
+    pub fn with_adapters(variant: Variant, settings: Settings, tools: [I; 2], sysctl: S) -> Self {
+        let families = tools.map(|ipt| FamilyTables {
+            ipt,
+            filter_chains: BTreeSet::new(),
+            nat_chains: BTreeSet::new(),
+            services: BTreeSet::new(),
+            needs_full: true,
+            results: FamilyResults::default(),
+            localnet_warned: false,
+        });
+        Self {
+            variant,
+            settings,
+            families,
+            bypassed: false,
+            sysctl,
+        }
+    }
+
+    /// The tools of `family` (for tests: the fake's tables).
+    pub fn tools(&self, family: IpFamily) -> &I {
+        &self.families[family as usize].ipt
+    }
+
+    /// The tools of `family`, mutable (for tests: injecting faults).
+    pub fn tools_mut(&mut self, family: IpFamily) -> &mut I {
+        &mut self.families[family as usize].ipt
+    }
+
+    /// The sysctls (for tests).
+    pub fn sysctl(&self) -> &S {
+        &self.sysctl
     }
 
     /// The variant in use.
@@ -249,10 +282,10 @@ fn jump_edits(bypassed: bool, filter_save: &str, nat_save: &str) -> (Vec<String>
     }
 }
 
-impl FamilyTables {
+impl<I: SaveRestore> FamilyTables<I> {
     /// Sets [`render::ROUTE_LOCALNET`] to 1 unless it is; false (logged once) when it cannot be.
-    fn ensure_route_localnet(&mut self) -> bool {
-        match crate::sys::host::ensure_sysctl(self.ipt.netns(), render::ROUTE_LOCALNET, "1") {
+    fn ensure_route_localnet(&mut self, sysctl: &mut impl Sysctl) -> bool {
+        match sysctl.ensure(render::ROUTE_LOCALNET, "1") {
             Ok(changed) => {
                 if changed {
                     tracing::info!(
@@ -275,6 +308,7 @@ impl FamilyTables {
 
     fn sync_inner(
         &mut self,
+        sysctl: &mut impl Sysctl,
         settings: &Settings,
         bypassed: bool,
         snapshot: &Snapshot,
@@ -309,7 +343,7 @@ impl FamilyTables {
         // on it; where it cannot be set (a read-only /proc/sys) they are refused instead.
         let localnet_settings;
         let settings = if render::serves_localhost_node_ports(settings, self.ipt.family())
-            && !self.ensure_route_localnet()
+            && !self.ensure_route_localnet(sysctl)
         {
             localnet_settings = Settings {
                 localhost_node_ports: false,
@@ -381,9 +415,10 @@ pub fn own_chains(save: &str) -> BTreeSet<String> {
         .collect()
 }
 
-impl FamilyTables {
+impl<I: SaveRestore> FamilyTables<I> {
     fn sync(
         &mut self,
+        sysctl: &mut impl Sysctl,
         settings: &Settings,
         bypassed: bool,
         snapshot: &Snapshot,
@@ -391,7 +426,7 @@ impl FamilyTables {
         full: bool,
     ) -> Result<SyncStats, BackendError> {
         let full = full || self.needs_full;
-        let result = self.sync_inner(settings, bypassed, snapshot, changes, full);
+        let result = self.sync_inner(sysctl, settings, bypassed, snapshot, changes, full);
         self.needs_full = result.is_err();
         result
     }
@@ -458,7 +493,7 @@ impl FamilyTables {
         if self.filter_chains.is_empty() && self.nat_chains.is_empty() && self.ipt.family() == IpFamily::V6 {
             return Ok(drift); // nothing programmed in ip6tables (e.g. no IPv6 on this node)
         }
-        let tool = self.ipt.binary("iptables");
+        let tool = self.ipt.tool();
         for (table, ours) in [
             (Table::Filter, &self.filter_chains),
             (Table::Nat, &self.nat_chains),
@@ -478,7 +513,7 @@ impl FamilyTables {
     }
 }
 
-impl Backend for IptablesBackend {
+impl<I: SaveRestore, S: Sysctl> Backend for IptablesProxier<I, S> {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Iptables
     }
@@ -518,7 +553,14 @@ impl Backend for IptablesBackend {
             let tables = &mut self.families[i];
             let family = tables.ipt.family();
             let family_snapshot = snapshot.get(family);
-            let result = tables.sync(&self.settings, self.bypassed, family_snapshot, changes, full);
+            let result = tables.sync(
+                &mut self.sysctl,
+                &self.settings,
+                self.bypassed,
+                family_snapshot,
+                changes,
+                full,
+            );
             match tables.results.check(family, result) {
                 Ok(Some(stats)) => total = Some(total.map_or(stats.clone(), |t| t.plus(&stats))),
                 Ok(None) => {}
@@ -535,10 +577,13 @@ impl Backend for IptablesBackend {
     }
 
     fn cleanup(&mut self) -> Result<(), BackendError> {
-        for tables in &mut self.families {
-            tables.cleanup()?;
-        }
-        Ok(())
+        // Each family on its own: a failure in one does not keep the other.
+        let errors = self
+            .families
+            .iter_mut()
+            .filter_map(|tables| tables.cleanup().err())
+            .collect();
+        BackendError::collect(errors)
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {

@@ -8,12 +8,20 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::process::Command;
 
 use super::render::{kernel_probability, probability, render, save_string};
 use super::*;
+use crate::backend::conformance::{
+    golden,
+    netns::TestNetns,
+    suite::{Kit, Subject, conformance_suite},
+};
 use crate::model::{
     DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName,
+};
+use crate::sys::{
+    iptables::fake::{FakeIptables, Faulty},
+    sysctl::FakeSysctl,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -250,40 +258,13 @@ fn changes(names: &[&str]) -> Changes {
 // ---------------------------------------------------------------------------------------------
 // Goldens
 
-fn golden_path(name: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("src/backend/iptables/testdata")
-        .join(name)
+/// Compares `actual` with golden `name` (the kit's helper; `SWITCHYARD_UPDATE_GOLDEN=1` rewrites).
+fn check_golden(name: &str, actual: &str) {
+    golden::check("iptables", name, actual);
 }
 
 fn read_golden(name: &str) -> String {
-    std::fs::read_to_string(golden_path(name)).unwrap_or_else(|e| panic!("read golden {name}: {e}"))
-}
-
-/// Compares `actual` with golden `name`; `SWITCHYARD_UPDATE_GOLDEN=1` rewrites the golden instead.
-fn check_golden(name: &str, actual: &str) {
-    if std::env::var("SWITCHYARD_UPDATE_GOLDEN").as_deref() == Ok("1") {
-        std::fs::write(golden_path(name), actual).unwrap();
-        return;
-    }
-    let expected = read_golden(name);
-    if expected != actual {
-        let diff: Vec<String> = expected
-            .lines()
-            .filter(|l| !actual.lines().any(|a| a == *l))
-            .map(|l| format!("- {l}"))
-            .chain(
-                actual
-                    .lines()
-                    .filter(|l| !expected.lines().any(|e| e == *l))
-                    .map(|l| format!("+ {l}")),
-            )
-            .collect();
-        panic!(
-            "render differs from golden {name} (SWITCHYARD_UPDATE_GOLDEN=1 rewrites):\n{}",
-            diff.join("\n")
-        );
-    }
+    golden::read("iptables", name)
 }
 
 #[test]
@@ -526,31 +507,6 @@ fn iptables_own_chains_from_save() {
 // ---------------------------------------------------------------------------------------------
 // Kernel tests
 
-/// A network namespace deleted on drop (also when the test panics).
-struct Netns {
-    name: String,
-}
-
-impl Netns {
-    fn create(n: u32) -> Self {
-        let name = format!("swyu{}-ipt-{n}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        let out = Command::new("ip").args(["netns", "add", &name]).output().unwrap();
-        assert!(
-            out.status.success(),
-            "ip netns add {name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Self { name }
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
-    }
-}
-
 /// Keeps the lines describing our chains (table headers, `COMMIT`, `:SWY-*`, `-A SWY-*`), with
 /// chain counters zeroed and probabilities in the kernel's spelling.
 fn normalise(text: &str) -> String {
@@ -628,10 +584,10 @@ fn service_chains(snap: &Snapshot, name: &str) -> Vec<String> {
 
 fn round_trip(variant: Variant, n: u32) {
     let started = std::time::Instant::now();
-    let ns = Netns::create(n);
-    let ipt = Iptables::new(variant, Some(ns.name.clone()));
+    let ns = TestNetns::new(&format!("ipt-{n}"));
+    let ipt = Iptables::new(variant, Some(ns.0.clone()));
     let ipt6 = ipt.clone().for_family(IpFamily::V6);
-    let mut backend = IptablesBackend::with_netns(variant, settings(), Some(ns.name.clone()));
+    let mut backend = IptablesBackend::with_netns(variant, settings(), Some(ns.0.clone()));
     // Both families' kernel state equals the render of the dual-stack form of `snap`.
     let both = |snap: &Snapshot| (kernel_text(&ipt), kernel_text(&ipt6), render_pair(snap));
 
@@ -765,9 +721,9 @@ fn iptables_kernel_round_trip_nft() {
 /// A refused restore is reported as a kernel error and forces the next sync to be full.
 #[test]
 fn iptables_kernel_failure_forces_full_sync() {
-    let ns = Netns::create(3);
-    let ipt = Iptables::new(Variant::Nft, Some(ns.name.clone()));
-    let mut backend = IptablesBackend::with_netns(Variant::Nft, variant_settings(), Some(ns.name.clone()));
+    let ns = TestNetns::new("ipt-3");
+    let ipt = Iptables::new(Variant::Nft, Some(ns.0.clone()));
+    let mut backend = IptablesBackend::with_netns(Variant::Nft, variant_settings(), Some(ns.0.clone()));
     let snap = variant_scenario();
     backend.sync(&dual(&snap), &Changes::default(), true).unwrap();
     // The second golden (node-port addresses, masquerade-all, no cluster CIDR) holds in the kernel too.
@@ -846,4 +802,143 @@ fn iptables_localhost_node_ports_follow_the_setting() {
         .map(|j| j.chain)
         .collect();
     assert_eq!(guard_jumps, ["INPUT", "OUTPUT"]);
+}
+
+/// Our lines of both families' `filter` and `nat` tables (chains, their rules, the jumps into
+/// them), as `iptables-save` lists them.
+fn owned_lines(tools: [&dyn SaveRestore; 2]) -> String {
+    let mut out = String::new();
+    for ipt in tools {
+        for table in [Table::Filter, Table::Nat] {
+            let save = ipt.save(table).expect("iptables-save");
+            for line in save.lines().filter(|l| l.contains("SWY-") && !l.starts_with('#')) {
+                out.push_str(&format!("{} {}: {line}\n", ipt.tool(), table.as_str()));
+            }
+        }
+    }
+    out
+}
+
+type FakeProxier = IptablesProxier<Faulty<FakeIptables>, FakeSysctl>;
+
+/// The iptables backend on fake tools.
+struct FakeSubject(FakeProxier);
+
+/// Fails the next `n` writes: the first in IPv4, the second in IPv6, and so on.
+fn fail_writes<I: SaveRestore, S: crate::sys::sysctl::Sysctl>(
+    b: &mut IptablesProxier<Faulty<I>, S>,
+    n: usize,
+) {
+    b.tools_mut(IpFamily::V4).fail_next(n.div_ceil(2));
+    b.tools_mut(IpFamily::V6).fail_next(n / 2);
+}
+
+impl Subject for FakeSubject {
+    type B = FakeProxier;
+    fn backend(&mut self) -> &mut Self::B {
+        &mut self.0
+    }
+    fn owned(&self) -> String {
+        owned_lines(IpFamily::ALL.map(|f| self.0.tools(f).inner() as &dyn SaveRestore))
+    }
+    fn fail_writes(&mut self, n: usize) {
+        fail_writes(&mut self.0, n);
+    }
+}
+
+struct FakeKit;
+
+impl Kit for FakeKit {
+    type S = FakeSubject;
+    fn with_subject<T: Send>(&self, f: impl FnOnce(&mut Self::S) -> T + Send) -> T {
+        let tools = IpFamily::ALL.map(|family| Faulty::new(FakeIptables::new(family)));
+        let settings = crate::backend::conformance::fixtures::settings();
+        f(&mut FakeSubject(IptablesProxier::with_adapters(
+            Variant::Nft,
+            settings,
+            tools,
+            FakeSysctl::new(),
+        )))
+    }
+    fn cleanup_parts(&self) -> usize {
+        2
+    }
+}
+
+type KernelProxier = IptablesProxier<Faulty<Iptables>, crate::sys::sysctl::HostSysctl>;
+
+/// The iptables backend on the kernel's tools of one variant, in a network namespace.
+struct KernelSubject(KernelProxier);
+
+impl Subject for KernelSubject {
+    type B = KernelProxier;
+    fn backend(&mut self) -> &mut Self::B {
+        &mut self.0
+    }
+    fn owned(&self) -> String {
+        owned_lines(IpFamily::ALL.map(|f| self.0.tools(f).inner() as &dyn SaveRestore))
+    }
+    fn fail_writes(&mut self, n: usize) {
+        fail_writes(&mut self.0, n);
+    }
+}
+
+struct KernelKit(Variant);
+
+static NETNS_SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl Kit for KernelKit {
+    type S = KernelSubject;
+    fn with_subject<T: Send>(&self, f: impl FnOnce(&mut Self::S) -> T + Send) -> T {
+        let n = NETNS_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ns = TestNetns::new(&format!("ipt-suite-{}{n}", self.0));
+        let netns = Some(ns.0.clone());
+        let tools =
+            IpFamily::ALL.map(|family| Faulty::new(Iptables::new(self.0, netns.clone()).for_family(family)));
+        let settings = crate::backend::conformance::fixtures::settings();
+        let sysctl = crate::sys::sysctl::HostSysctl::new(netns);
+        f(&mut KernelSubject(IptablesProxier::with_adapters(
+            self.0, settings, tools, sysctl,
+        )))
+    }
+    fn cleanup_parts(&self) -> usize {
+        2
+    }
+}
+
+/// The conformance suite on fake iptables tools (no root).
+mod conformance_fake {
+    super::conformance_suite!(super::FakeKit);
+}
+
+/// The conformance suite on the kernel with `iptables-legacy` (root; a network namespace per case).
+mod conformance_kernel_legacy {
+    super::conformance_suite!(super::KernelKit(super::Variant::Legacy));
+}
+
+/// The conformance suite on the kernel with `iptables-nft` (root; a network namespace per case).
+mod conformance_kernel_nft {
+    super::conformance_suite!(super::KernelKit(super::Variant::Nft));
+}
+
+/// A full sync on the fake tools leaves exactly the golden text the kernel test compares the
+/// kernel's `iptables-save` with, in both families.
+#[test]
+fn fake_saves_exactly_the_golden_rules() {
+    let tools = IpFamily::ALL.map(FakeIptables::new);
+    let mut backend = IptablesProxier::with_adapters(Variant::Nft, settings(), tools, FakeSysctl::new());
+    backend
+        .sync(&dual(&scenario()), &Changes::default(), true)
+        .expect("full sync");
+    let text = |f: IpFamily| {
+        let ipt = backend.tools(f);
+        normalise(&format!(
+            "{}{}",
+            ipt.save(Table::Filter).expect("save"),
+            ipt.save(Table::Nat).expect("save")
+        ))
+    };
+    assert_eq!(text(IpFamily::V4), normalise(&read_golden("scenario.rules")));
+    assert_eq!(text(IpFamily::V6), normalise(&read_golden("scenario6.rules")));
+    assert_eq!(backend.sysctl().get(super::render::ROUTE_LOCALNET), "1");
 }

@@ -159,26 +159,9 @@ fn scenario() -> Snapshot {
     s
 }
 
-fn golden_path(name: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("src/backend/ipvs/testdata")
-        .join(name)
-}
-
-/// Compares `actual` with golden `name`; `SWITCHYARD_UPDATE_GOLDEN=1` rewrites the golden.
+/// Compares `actual` with golden `name` (the kit's helper; `SWITCHYARD_UPDATE_GOLDEN=1` rewrites).
 fn check_golden(name: &str, actual: &str) {
-    let path = golden_path(name);
-    if std::env::var("SWITCHYARD_UPDATE_GOLDEN").as_deref() == Ok("1") {
-        std::fs::write(&path, actual).unwrap();
-    }
-    let want =
-        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read golden {}: {e}", path.display()));
-    assert_eq!(
-        actual,
-        want,
-        "{} differs (SWITCHYARD_UPDATE_GOLDEN=1 rewrites it)",
-        path.display()
-    );
+    crate::backend::conformance::golden::check("ipvs", name, actual);
 }
 
 #[test]
