@@ -27,7 +27,7 @@ use super::ir::{
 };
 use crate::{
     backend::{Settings, names},
-    model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot, categorize},
+    model::{Categorized, Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot, categorize},
 };
 
 /// Set and map names.
@@ -104,99 +104,117 @@ fn jump_new(target: &str) -> Rule {
 
 /// The fixed part of `family`'s table: sets, maps, base chains and dispatch chains.
 pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
-    use sets::*;
-    let set = |name: &str, key: KeyType, verdict_map: bool, comment: Option<&str>| SetDef {
+    let mut sets = fixed_sets();
+    let mut elements = BTreeMap::new();
+    let nodeport_match = match settings.node_port_addresses(family) {
+        // Restricted NodePorts: their addresses are a set, declared right after `cluster-ips`.
+        Some(addrs) => {
+            let def = set_def(
+                sets::NODEPORT_IPS,
+                KeyType::Addr,
+                false,
+                "IPs that accept NodePort traffic",
+            );
+            sets.insert(1, def);
+            let addrs = addrs.into_iter().map(|a| plain(Key::Addr(a))).collect();
+            elements.insert(sets::NODEPORT_IPS.to_owned(), addrs);
+            vec![Expr::DaddrInSet(sets::NODEPORT_IPS.into())]
+        }
+        None => vec![Expr::FibDaddrLocal, Expr::DaddrIn(loopback(family), true)],
+    };
+    let mut chains = hook_chains();
+    chains.extend(check_chains(settings, family, &nodeport_match));
+    chains.extend(dispatch_chains(settings, family, nodeport_match));
+    Ruleset {
+        family,
+        sets,
+        elements,
+        chains,
+    }
+}
+
+fn set_def(name: &str, key: KeyType, verdict_map: bool, comment: &str) -> SetDef {
+    SetDef {
         name: name.into(),
         key,
         verdict_map,
         timeout_seconds: None,
-        comment: comment.map(str::to_owned),
-    };
-    let mut sets_defs = vec![
-        set(CLUSTER_IPS, KeyType::Addr, false, Some("Active ClusterIPs")),
-        set(
+        comment: Some(comment.to_owned()),
+    }
+}
+
+/// An element without verdict, DNAT target or comment: a member of a plain set.
+fn plain(key: Key) -> Element {
+    Element {
+        key,
+        verdict: None,
+        dnat: None,
+        comment: None,
+    }
+}
+
+/// `matches` followed by `last`.
+fn then(mut matches: Vec<Expr>, last: Expr) -> Vec<Expr> {
+    matches.push(last);
+    matches
+}
+
+/// The sets and verdict maps every table has, in declaration order.
+fn fixed_sets() -> Vec<SetDef> {
+    use sets::*;
+    vec![
+        set_def(CLUSTER_IPS, KeyType::Addr, false, "Active ClusterIPs"),
+        set_def(
             SERVICE_IPS,
             KeyType::AddrProtoPort,
             true,
-            Some("ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+            "ClusterIP, ExternalIP and LoadBalancer IP traffic",
         ),
-        set(
-            SERVICE_NODEPORTS,
-            KeyType::ProtoPort,
-            true,
-            Some("NodePort traffic"),
-        ),
-        set(
+        set_def(SERVICE_NODEPORTS, KeyType::ProtoPort, true, "NodePort traffic"),
+        set_def(
             NO_ENDPOINT_SERVICES,
             KeyType::AddrProtoPort,
             true,
-            Some("vmap to drop or reject packets to services with no endpoints"),
+            "vmap to drop or reject packets to services with no endpoints",
         ),
-        set(
+        set_def(
             NO_ENDPOINT_NODEPORTS,
             KeyType::ProtoPort,
             true,
-            Some("vmap to drop or reject packets to service nodeports with no endpoints"),
+            "vmap to drop or reject packets to service nodeports with no endpoints",
         ),
-        set(
+        set_def(
             FIREWALL_IPS,
             KeyType::AddrProtoPort,
             true,
-            Some("destinations that are subject to LoadBalancerSourceRanges"),
+            "destinations that are subject to LoadBalancerSourceRanges",
         ),
-        set(
+        set_def(
             HAIRPIN,
             KeyType::AddrAddr,
             false,
-            Some("local endpoints reaching themselves through a service"),
+            "local endpoints reaching themselves through a service",
         ),
-        set(
+        set_def(
             MASQUERADE_IPS,
             KeyType::AddrProtoPort,
             false,
-            Some("external and LoadBalancer IP traffic to masquerade"),
+            "external and LoadBalancer IP traffic to masquerade",
         ),
-        set(
+        set_def(
             MASQUERADE_NODEPORTS,
             KeyType::ProtoPort,
             false,
-            Some("NodePort traffic to masquerade"),
+            "NodePort traffic to masquerade",
         ),
-    ];
-    let mut elements = std::collections::BTreeMap::new();
-    let nodeport_match: Vec<Expr> = match settings.node_port_addresses(family) {
-        Some(addrs) => {
-            sets_defs.insert(
-                1,
-                set(
-                    NODEPORT_IPS,
-                    KeyType::Addr,
-                    false,
-                    Some("IPs that accept NodePort traffic"),
-                ),
-            );
-            elements.insert(
-                NODEPORT_IPS.to_owned(),
-                addrs
-                    .into_iter()
-                    .map(|a| Element {
-                        key: Key::Addr(a),
-                        verdict: None,
-                        dnat: None,
-                        comment: None,
-                    })
-                    .collect(),
-            );
-            vec![Expr::DaddrInSet(NODEPORT_IPS.into())]
-        }
-        None => vec![Expr::FibDaddrLocal, Expr::DaddrIn(loopback(family), true)],
-    };
-    let with = |mut m: Vec<Expr>, e: Expr| {
-        m.push(e);
-        m
-    };
-    let mark = settings.masquerade_mark;
-    let chains = vec![
+    ]
+}
+
+/// The base chains on the netfilter hooks: the filter ones jump to the checks for new
+/// connections, the nat ones to the dispatch and the masquerading.
+fn hook_chains() -> Vec<Chain> {
+    let jump = |target: &str| Rule::new(vec![Expr::Verdict(Verdict::Jump(target.into()))]);
+    vec![
         base_chain(
             "filter-prerouting-pre-dnat",
             false,
@@ -240,24 +258,24 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
             true,
             Hook::Prerouting,
             -100,
-            vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("services".into()))])],
+            vec![jump("services")],
         ),
-        base_chain(
-            "nat-output",
-            true,
-            Hook::Output,
-            -100,
-            vec![Rule::new(vec![Expr::Verdict(Verdict::Jump("services".into()))])],
-        ),
+        base_chain("nat-output", true, Hook::Output, -100, vec![jump("services")]),
         base_chain(
             "nat-postrouting",
             true,
             Hook::Postrouting,
             100,
-            vec![Rule::new(vec![Expr::Verdict(Verdict::Jump(
-                "masquerading".into(),
-            ))])],
+            vec![jump("masquerading")],
         ),
+    ]
+}
+
+/// The filter checks of new connections: source ranges, destinations without endpoints,
+/// ClusterIP ports that are no service, and the shared reject.
+fn check_chains(settings: &Settings, family: IpFamily, nodeport_match: &[Expr]) -> Vec<Chain> {
+    use sets::*;
+    vec![
         chain(
             "firewall-check",
             vec![Rule::new(vec![Expr::VmapDaddrProtoPort(FIREWALL_IPS.into())])],
@@ -270,35 +288,12 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         ),
         chain(
             "nodeport-endpoints-check",
-            vec![Rule::new(with(
-                nodeport_match.clone(),
+            vec![Rule::new(then(
+                nodeport_match.to_vec(),
                 Expr::VmapProtoPort(NO_ENDPOINT_NODEPORTS.into()),
             ))],
         ),
-        chain("cluster-ips-check", {
-            let mut rules = fast_rejects(family, vec![Expr::DaddrInSet(CLUSTER_IPS.into())]);
-            rules.push(
-                Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::Reject])
-                    .comment("Reject traffic to invalid ports of ClusterIPs"),
-            );
-            // The rest of the Service CIDRs: unallocated addresses, or Services another proxy
-            // handles. Dropped here instead of routed out of the node (kube-proxy's rule; handled
-            // ClusterIPs are DNATed before this filter priority, so only those reach it).
-            for cidr in settings
-                .service_cidrs
-                .iter()
-                .filter(|c| IpFamily::of_net(c) == family)
-            {
-                rules.push(
-                    Rule::new(vec![
-                        Expr::DaddrIn(cidr.trunc(), false),
-                        Expr::Verdict(Verdict::Drop),
-                    ])
-                    .comment("Drop traffic to unallocated ClusterIPs"),
-                );
-            }
-            rules
-        }),
+        chain("cluster-ips-check", cluster_ips_check(settings, family)),
         chain("reject-chain", {
             let mut rules = fast_rejects(family, vec![]);
             rules.push(
@@ -307,39 +302,43 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
             );
             rules
         }),
-        chain("services", {
-            // One masquerade rule for every ClusterIP (as kube-proxy 1.36 does) instead of one per
-            // service chain: a third fewer rules for the kernel to load and validate.
-            let mut rules = Vec::new();
-            if settings.masquerade_all {
-                rules.push(
-                    Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SetMarkOr(mark)])
-                        .comment("masquerade all ClusterIP traffic"),
-                );
-            } else if let Some(cidr) = settings.cluster_cidr(family) {
-                rules.push(
-                    Rule::new(vec![
-                        Expr::DaddrInSet(CLUSTER_IPS.into()),
-                        Expr::SaddrIn(cidr, true),
-                        Expr::SetMarkOr(mark),
-                    ])
-                    .comment("masquerade ClusterIP traffic from outside the cluster"),
-                );
-            }
-            rules.push(Rule::new(vec![Expr::VmapDaddrProtoPort(SERVICE_IPS.into())]));
-            rules.push(Rule::new(vec![
-                Expr::DaddrProtoPortInSet(MASQUERADE_IPS.into()),
-                Expr::SetMarkOr(mark),
-            ]));
-            rules.push(Rule::new(vec![Expr::Verdict(Verdict::Jump(
-                dnat_chains::IPS.into(),
-            ))]));
-            rules.push(Rule::new(with(
-                nodeport_match,
-                Expr::Verdict(Verdict::Jump("nodeports".into())),
-            )));
-            rules
-        }),
+    ]
+}
+
+/// `cluster-ips-check`: rejects traffic to ClusterIP ports that are no service, and drops
+/// traffic to the Service CIDRs' other addresses.
+fn cluster_ips_check(settings: &Settings, family: IpFamily) -> Vec<Rule> {
+    let cluster_ips = || Expr::DaddrInSet(sets::CLUSTER_IPS.into());
+    let mut rules = fast_rejects(family, vec![cluster_ips()]);
+    rules.push(
+        Rule::new(vec![cluster_ips(), Expr::Reject]).comment("Reject traffic to invalid ports of ClusterIPs"),
+    );
+    // The rest of the Service CIDRs: unallocated addresses, or Services another proxy
+    // handles. Dropped here instead of routed out of the node (kube-proxy's rule; handled
+    // ClusterIPs are DNATed before this filter priority, so only those reach it).
+    for cidr in settings
+        .service_cidrs
+        .iter()
+        .filter(|c| IpFamily::of_net(c) == family)
+    {
+        rules.push(
+            Rule::new(vec![
+                Expr::DaddrIn(cidr.trunc(), false),
+                Expr::Verdict(Verdict::Drop),
+            ])
+            .comment("Drop traffic to unallocated ClusterIPs"),
+        );
+    }
+    rules
+}
+
+/// The nat chains that dispatch to the services (verdict maps first, then the endpoint maps'
+/// DNAT chains) and masquerade what was marked.
+fn dispatch_chains(settings: &Settings, family: IpFamily, nodeport_match: Vec<Expr>) -> Vec<Chain> {
+    use sets::*;
+    let mark = settings.masquerade_mark;
+    vec![
+        chain("services", services_rules(settings, family, nodeport_match)),
         chain(
             "nodeports",
             vec![
@@ -367,13 +366,45 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
                 Rule::new(vec![Expr::Masquerade]),
             ],
         ),
-    ];
-    Ruleset {
-        family,
-        sets: sets_defs,
-        elements,
-        chains,
+    ]
+}
+
+/// `services`: the ClusterIP masquerade mark, the verdict map, the endpoint maps of IP
+/// destinations, and last the NodePorts.
+fn services_rules(settings: &Settings, family: IpFamily, nodeport_match: Vec<Expr>) -> Vec<Rule> {
+    use sets::*;
+    let mark = settings.masquerade_mark;
+    // One masquerade rule for every ClusterIP (as kube-proxy 1.36 does) instead of one per
+    // service chain: a third fewer rules for the kernel to load and validate.
+    let mut rules = Vec::new();
+    if settings.masquerade_all {
+        rules.push(
+            Rule::new(vec![Expr::DaddrInSet(CLUSTER_IPS.into()), Expr::SetMarkOr(mark)])
+                .comment("masquerade all ClusterIP traffic"),
+        );
+    } else if let Some(cidr) = settings.cluster_cidr(family) {
+        rules.push(
+            Rule::new(vec![
+                Expr::DaddrInSet(CLUSTER_IPS.into()),
+                Expr::SaddrIn(cidr, true),
+                Expr::SetMarkOr(mark),
+            ])
+            .comment("masquerade ClusterIP traffic from outside the cluster"),
+        );
     }
+    rules.push(Rule::new(vec![Expr::VmapDaddrProtoPort(SERVICE_IPS.into())]));
+    rules.push(Rule::new(vec![
+        Expr::DaddrProtoPortInSet(MASQUERADE_IPS.into()),
+        Expr::SetMarkOr(mark),
+    ]));
+    rules.push(Rule::new(vec![Expr::Verdict(Verdict::Jump(
+        dnat_chains::IPS.into(),
+    ))]));
+    rules.push(Rule::new(then(
+        nodeport_match,
+        Expr::Verdict(Verdict::Jump("nodeports".into())),
+    )));
+    rules
 }
 
 /// The [`crate::backend::fast_reject`] rule of `family`, after `matches`.
@@ -448,62 +479,137 @@ fn slots(
 
 /// Everything one service port contributes.
 pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) -> Fragment {
-    use sets::*;
-    let name = &port.name;
-    let comment = name.to_string();
-    let cat = categorize(endpoints, &settings.node);
+    let render = PortRender::new(port, endpoints, settings);
     let mut frag = Fragment {
         endpoints: endpoints.len(),
         ..Default::default()
     };
-    let element = |key: Key, verdict: Option<Verdict>| Element {
-        key,
-        verdict,
-        dnat: None,
-        comment: Some(comment.clone()),
-    };
-    let plain = |key: Key| Element {
-        key,
-        verdict: None,
-        dnat: None,
-        comment: None,
-    };
-    let proto = name.protocol;
-    let svc_chain = names::nft_service_chain("service-", name);
-    let local_chain = names::nft_service_chain("local-", name);
-    let ext_chain = names::nft_service_chain("external-", name);
-    let fw_chain = names::nft_service_chain("firewall-", name);
-    let affinity = port.affinity_timeout_seconds.is_some();
-    let mark = settings.masquerade_mark;
-    // Affinity and externalTrafficPolicy=Local need logic per service: chains. Everything else is
-    // served from endpoint maps.
-    let chained = affinity || (port.external_policy_local && port.externally_accessible());
-
     frag.elements
-        .push((CLUSTER_IPS, plain(Key::Addr(port.cluster_ip))));
+        .push((sets::CLUSTER_IPS, plain(Key::Addr(port.cluster_ip))));
+    render.cascade_chains(&mut frag);
+    if render.affinity {
+        render.affinity_chains(&mut frag);
+    }
+    render.hairpin(&mut frag);
+    render.cluster_ip(&mut frag);
 
-    let has_cluster = !cat.cluster.is_empty();
-    let has_local = !cat.local.is_empty();
-    let blocked = |usable_somewhere: bool| {
-        if usable_somewhere {
+    // External destinations: externalIPs, LB IPs, NodePort.
+    if !port.externally_accessible() {
+        return frag;
+    }
+    let external = render.external_destinations();
+    if !render.external_ok() {
+        render.blocked_external(&external, &mut frag);
+        return frag;
+    }
+    if render.chained {
+        render.external_chain(&external, &mut frag);
+    } else {
+        render.external_endpoint_maps(&external, &mut frag);
+    }
+    if port.has_source_ranges() && !port.load_balancer_ips.is_empty() {
+        render.firewall(&mut frag);
+    }
+    frag
+}
+
+/// One service port being rendered: its inputs, its endpoints split by traffic policy and the
+/// names of its chains, which every stage of [`service`] reads.
+struct PortRender<'a> {
+    port: &'a ServicePort,
+    settings: &'a Settings,
+    cat: Categorized<'a>,
+    /// The port's name: the comment of its verdict and endpoint-map elements.
+    comment: String,
+    svc_chain: String,
+    local_chain: String,
+    ext_chain: String,
+    fw_chain: String,
+    affinity: bool,
+    /// Affinity and externalTrafficPolicy=Local need logic per service: chains. Everything
+    /// else is served from endpoint maps.
+    chained: bool,
+    has_cluster: bool,
+    has_local: bool,
+}
+
+/// The external destinations of a port: its externalIPs and LB IPs with their map keys.
+struct ExternalDestinations {
+    ips: Vec<IpAddr>,
+    keys: Vec<Key>,
+}
+
+impl<'a> PortRender<'a> {
+    fn new(port: &'a ServicePort, endpoints: &'a [Endpoint], settings: &'a Settings) -> Self {
+        let name = &port.name;
+        let affinity = port.affinity_timeout_seconds.is_some();
+        let cat = categorize(endpoints, &settings.node);
+        Self {
+            port,
+            settings,
+            comment: name.to_string(),
+            svc_chain: names::nft_service_chain("service-", name),
+            local_chain: names::nft_service_chain("local-", name),
+            ext_chain: names::nft_service_chain("external-", name),
+            fw_chain: names::nft_service_chain("firewall-", name),
+            affinity,
+            chained: affinity || (port.external_policy_local && port.externally_accessible()),
+            has_cluster: !cat.cluster.is_empty(),
+            has_local: !cat.local.is_empty(),
+            cat,
+        }
+    }
+
+    /// An element of a verdict map, commented with the port's name.
+    fn element(&self, key: Key, verdict: Verdict) -> Element {
+        Element {
+            key,
+            verdict: Some(verdict),
+            dnat: None,
+            comment: Some(self.comment.clone()),
+        }
+    }
+
+    /// The verdict for a destination without usable endpoints: dropped when the port has
+    /// endpoints elsewhere (a Local policy), rejected when it has none at all.
+    fn blocked(&self) -> Verdict {
+        if self.cat.has_any {
             Verdict::Drop
         } else {
             Verdict::Goto("reject-chain".into())
         }
-    };
+    }
 
-    // Chains.
-    if chained && has_cluster {
-        frag.chains
-            .push(chain(&svc_chain, cascade(name, &cat.cluster, affinity)));
+    /// The cascade chains of a chained port: all endpoints, and the local ones for Local
+    /// policies.
+    fn cascade_chains(&self, frag: &mut Fragment) {
+        let port = self.port;
+        if self.chained && self.has_cluster {
+            frag.chains.push(chain(
+                &self.svc_chain,
+                cascade(&port.name, &self.cat.cluster, self.affinity),
+            ));
+        }
+        if self.chained && (port.internal_policy_local || port.external_policy_local) && self.has_local {
+            frag.chains.push(chain(
+                &self.local_chain,
+                cascade(&port.name, &self.cat.local, self.affinity),
+            ));
+        }
     }
-    if chained && (port.internal_policy_local || port.external_policy_local) && has_local {
-        frag.chains
-            .push(chain(&local_chain, cascade(name, &cat.local, affinity)));
-    }
-    if affinity {
-        let timeout = port.affinity_timeout_seconds;
-        let mut eps: Vec<&Endpoint> = cat.cluster.iter().chain(cat.local.iter()).copied().collect();
+
+    /// ClientIP affinity: per endpoint a timeout set of recent clients and a chain that
+    /// records the client and DNATs to the endpoint.
+    fn affinity_chains(&self, frag: &mut Fragment) {
+        let name = &self.port.name;
+        let timeout = self.port.affinity_timeout_seconds;
+        let mut eps: Vec<&Endpoint> = self
+            .cat
+            .cluster
+            .iter()
+            .chain(self.cat.local.iter())
+            .copied()
+            .collect();
         eps.sort();
         eps.dedup();
         for ep in eps {
@@ -519,136 +625,165 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
                 &names::nft_endpoint_name("endpoint-", name, ep),
                 vec![Rule::new(vec![
                     Expr::UpdateSaddr(set_name),
-                    Expr::L4Proto(proto),
+                    Expr::L4Proto(name.protocol),
                     Expr::Dnat(ep.ip, ep.port),
                 ])],
             ));
         }
     }
 
-    // Hairpin: a local endpoint reaching itself through the service must be masqueraded.
-    for ep in cat.cluster.iter().chain(cat.local.iter()) {
-        if ep.node_name.as_deref() == Some(settings.node.name.as_str()) {
-            frag.elements.push((HAIRPIN, plain(Key::AddrAddr(ep.ip, ep.ip))));
+    /// Hairpin: a local endpoint reaching itself through the service must be masqueraded.
+    fn hairpin(&self, frag: &mut Fragment) {
+        for ep in self.cat.cluster.iter().chain(self.cat.local.iter()) {
+            if ep.node_name.as_deref() == Some(self.settings.node.name.as_str()) {
+                frag.elements
+                    .push((sets::HAIRPIN, plain(Key::AddrAddr(ep.ip, ep.ip))));
+            }
         }
     }
 
-    // ClusterIP.
-    let (internal_ok, internal_chain, internal_eps) = if port.internal_policy_local {
-        (has_local, &local_chain, &cat.local)
-    } else {
-        (has_cluster, &svc_chain, &cat.cluster)
-    };
-    let cluster_key = Key::AddrProtoPort(port.cluster_ip, proto, port.port);
-    if !internal_ok {
-        frag.elements.push((
-            NO_ENDPOINT_SERVICES,
-            element(cluster_key, Some(blocked(cat.has_any))),
-        ));
-    } else if chained {
-        frag.elements.push((
-            SERVICE_IPS,
-            element(cluster_key, Some(Verdict::Goto(internal_chain.clone()))),
-        ));
-    } else {
-        frag.elements
-            .extend(slots(IP_ENDPOINTS, &comment, internal_eps, |s| {
-                Key::AddrProtoPortSlot(port.cluster_ip, proto, port.port, s)
-            }));
-    }
-
-    // External destinations: externalIPs, LB IPs, NodePort.
-    if !port.externally_accessible() {
-        return frag;
-    }
-    let external_ok = if port.external_policy_local {
-        has_local
-    } else {
-        has_cluster
-    };
-    let external_ips: Vec<IpAddr> = port
-        .external_ips
-        .iter()
-        .chain(port.load_balancer_ips.iter())
-        .copied()
-        .collect();
-    let external_keys: Vec<Key> = external_ips
-        .iter()
-        .map(|ip| Key::AddrProtoPort(*ip, proto, port.port))
-        .collect();
-    if !external_ok {
-        for key in external_keys {
-            frag.elements
-                .push((NO_ENDPOINT_SERVICES, element(key, Some(blocked(cat.has_any)))));
-        }
-        if let Some(np) = port.node_port {
-            frag.elements.push((
-                NO_ENDPOINT_NODEPORTS,
-                element(Key::ProtoPort(proto, np), Some(blocked(cat.has_any))),
-            ));
-        }
-        return frag;
-    }
-    if chained {
-        let mut ext_rules = Vec::new();
-        if port.external_policy_local {
-            if let (Some(cidr), true) = (settings.cluster_cidr(port.family()), has_cluster) {
-                ext_rules.push(
-                    Rule::new(vec![
-                        Expr::SaddrIn(cidr, false),
-                        Expr::Verdict(Verdict::Goto(svc_chain.clone())),
-                    ])
-                    .comment("short-circuit pod traffic"),
-                );
-            }
-            if has_cluster {
-                ext_rules.push(
-                    Rule::new(vec![Expr::FibSaddrLocal, Expr::SetMarkOr(mark)])
-                        .comment("masquerade local traffic"),
-                );
-                ext_rules.push(
-                    Rule::new(vec![
-                        Expr::FibSaddrLocal,
-                        Expr::Verdict(Verdict::Goto(svc_chain.clone())),
-                    ])
-                    .comment("short-circuit local traffic"),
-                );
-            }
-            ext_rules.push(Rule::new(vec![Expr::Verdict(Verdict::Goto(local_chain.clone()))]));
+    /// The ClusterIP: blocked without endpoints for its internal policy, else dispatched to
+    /// its chain or its endpoint map.
+    fn cluster_ip(&self, frag: &mut Fragment) {
+        let port = self.port;
+        let proto = port.name.protocol;
+        let (internal_ok, internal_chain, internal_eps) = if port.internal_policy_local {
+            (self.has_local, &self.local_chain, &self.cat.local)
         } else {
-            ext_rules.push(Rule::new(vec![Expr::SetMarkOr(mark)]));
-            ext_rules.push(Rule::new(vec![Expr::Verdict(Verdict::Goto(svc_chain.clone()))]));
-        }
-        frag.chains.push(chain(&ext_chain, ext_rules));
-        for key in external_keys {
-            frag.elements
-                .push((SERVICE_IPS, element(key, Some(Verdict::Goto(ext_chain.clone())))));
-        }
-        if let Some(np) = port.node_port {
+            (self.has_cluster, &self.svc_chain, &self.cat.cluster)
+        };
+        let cluster_key = Key::AddrProtoPort(port.cluster_ip, proto, port.port);
+        if !internal_ok {
             frag.elements.push((
-                SERVICE_NODEPORTS,
-                element(Key::ProtoPort(proto, np), Some(Verdict::Goto(ext_chain.clone()))),
+                sets::NO_ENDPOINT_SERVICES,
+                self.element(cluster_key, self.blocked()),
             ));
-        }
-    } else {
-        // externalTrafficPolicy=Cluster: masquerade, then any endpoint.
-        for (ip, key) in external_ips.iter().zip(external_keys) {
-            frag.elements.push((MASQUERADE_IPS, plain(key)));
+        } else if self.chained {
+            frag.elements.push((
+                sets::SERVICE_IPS,
+                self.element(cluster_key, Verdict::Goto(internal_chain.clone())),
+            ));
+        } else {
             frag.elements
-                .extend(slots(IP_ENDPOINTS, &comment, &cat.cluster, |s| {
-                    Key::AddrProtoPortSlot(*ip, proto, port.port, s)
+                .extend(slots(sets::IP_ENDPOINTS, &self.comment, internal_eps, |s| {
+                    Key::AddrProtoPortSlot(port.cluster_ip, proto, port.port, s)
                 }));
         }
-        if let Some(np) = port.node_port {
+    }
+
+    /// Whether the external destinations have endpoints for the external policy.
+    fn external_ok(&self) -> bool {
+        if self.port.external_policy_local {
+            self.has_local
+        } else {
+            self.has_cluster
+        }
+    }
+
+    fn external_destinations(&self) -> ExternalDestinations {
+        let port = self.port;
+        let ips: Vec<IpAddr> = port
+            .external_ips
+            .iter()
+            .chain(port.load_balancer_ips.iter())
+            .copied()
+            .collect();
+        let keys = ips
+            .iter()
+            .map(|ip| Key::AddrProtoPort(*ip, port.name.protocol, port.port))
+            .collect();
+        ExternalDestinations { ips, keys }
+    }
+
+    /// External destinations without endpoints: blocked, NodePort included.
+    fn blocked_external(&self, external: &ExternalDestinations, frag: &mut Fragment) {
+        for key in &external.keys {
+            frag.elements.push((
+                sets::NO_ENDPOINT_SERVICES,
+                self.element(key.clone(), self.blocked()),
+            ));
+        }
+        if let Some(np) = self.port.node_port {
+            frag.elements.push((
+                sets::NO_ENDPOINT_NODEPORTS,
+                self.element(Key::ProtoPort(self.port.name.protocol, np), self.blocked()),
+            ));
+        }
+    }
+
+    /// A chained port's external destinations: dispatched to its `external-` chain.
+    fn external_chain(&self, external: &ExternalDestinations, frag: &mut Fragment) {
+        frag.chains
+            .push(chain(&self.ext_chain, self.external_chain_rules()));
+        let to_ext = || Verdict::Goto(self.ext_chain.clone());
+        for key in &external.keys {
             frag.elements
-                .push((MASQUERADE_NODEPORTS, plain(Key::ProtoPort(proto, np))));
+                .push((sets::SERVICE_IPS, self.element(key.clone(), to_ext())));
+        }
+        if let Some(np) = self.port.node_port {
+            frag.elements.push((
+                sets::SERVICE_NODEPORTS,
+                self.element(Key::ProtoPort(self.port.name.protocol, np), to_ext()),
+            ));
+        }
+    }
+
+    /// The `external-` chain: with a Local policy, pod and node traffic short-circuits to all
+    /// endpoints and the rest goes to the local ones; with a Cluster policy, masquerade and
+    /// any endpoint.
+    fn external_chain_rules(&self) -> Vec<Rule> {
+        let mark = self.settings.masquerade_mark;
+        let to_svc = || Expr::Verdict(Verdict::Goto(self.svc_chain.clone()));
+        let mut rules = Vec::new();
+        if !self.port.external_policy_local {
+            rules.push(Rule::new(vec![Expr::SetMarkOr(mark)]));
+            rules.push(Rule::new(vec![to_svc()]));
+            return rules;
+        }
+        let cluster_cidr = self.settings.cluster_cidr(self.port.family());
+        if let (Some(cidr), true) = (cluster_cidr, self.has_cluster) {
+            rules.push(
+                Rule::new(vec![Expr::SaddrIn(cidr, false), to_svc()]).comment("short-circuit pod traffic"),
+            );
+        }
+        if self.has_cluster {
+            rules.push(
+                Rule::new(vec![Expr::FibSaddrLocal, Expr::SetMarkOr(mark)])
+                    .comment("masquerade local traffic"),
+            );
+            rules.push(Rule::new(vec![Expr::FibSaddrLocal, to_svc()]).comment("short-circuit local traffic"));
+        }
+        rules.push(Rule::new(vec![Expr::Verdict(Verdict::Goto(
+            self.local_chain.clone(),
+        ))]));
+        rules
+    }
+
+    /// externalTrafficPolicy=Cluster: masquerade, then any endpoint from the endpoint maps.
+    fn external_endpoint_maps(&self, external: &ExternalDestinations, frag: &mut Fragment) {
+        let (proto, port) = (self.port.name.protocol, self.port.port);
+        let eps = &self.cat.cluster;
+        for (ip, key) in external.ips.iter().zip(&external.keys) {
+            frag.elements.push((sets::MASQUERADE_IPS, plain(key.clone())));
             frag.elements
-                .extend(slots(NODEPORT_ENDPOINTS, &comment, &cat.cluster, |s| {
+                .extend(slots(sets::IP_ENDPOINTS, &self.comment, eps, |s| {
+                    Key::AddrProtoPortSlot(*ip, proto, port, s)
+                }));
+        }
+        if let Some(np) = self.port.node_port {
+            frag.elements
+                .push((sets::MASQUERADE_NODEPORTS, plain(Key::ProtoPort(proto, np))));
+            frag.elements
+                .extend(slots(sets::NODEPORT_ENDPOINTS, &self.comment, eps, |s| {
                     Key::ProtoPortSlot(proto, np, s)
                 }));
         }
     }
-    if port.has_source_ranges() && !port.load_balancer_ips.is_empty() {
+
+    /// loadBalancerSourceRanges: a `firewall-` chain returning for allowed sources and
+    /// dropping the rest, reached from the LB IPs through `firewall-ips`.
+    fn firewall(&self, frag: &mut Fragment) {
+        let port = self.port;
         let mut rules: Vec<Rule> = port
             .load_balancer_source_ranges
             .iter()
@@ -657,14 +792,15 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         rules.push(
             Rule::new(vec![Expr::Verdict(Verdict::Drop)]).comment("source not in loadBalancerSourceRanges"),
         );
-        frag.chains.push(chain(&fw_chain, rules));
+        frag.chains.push(chain(&self.fw_chain, rules));
         for ip in &port.load_balancer_ips {
-            let key = Key::AddrProtoPort(*ip, proto, port.port);
-            frag.elements
-                .push((FIREWALL_IPS, element(key, Some(Verdict::Goto(fw_chain.clone())))));
+            let key = Key::AddrProtoPort(*ip, port.name.protocol, port.port);
+            frag.elements.push((
+                sets::FIREWALL_IPS,
+                self.element(key, Verdict::Goto(self.fw_chain.clone())),
+            ));
         }
     }
-    frag
 }
 
 /// The set an element of `set` lives in: endpoint-map elements go to the map of their count.
