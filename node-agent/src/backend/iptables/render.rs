@@ -23,10 +23,11 @@
 //!   traffic.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
 
 use crate::backend::Settings;
 use crate::backend::names::{ipt_endpoint_chain, ipt_service_chain};
-use crate::model::{Changes, Endpoint, IpFamily, Snapshot, categorize};
+use crate::model::{Changes, Endpoint, IpFamily, Protocol, ServicePort, Snapshot, categorize};
 
 /// The spellings that differ between `iptables-save` and `ip6tables-save`.
 struct Spelling {
@@ -374,193 +375,266 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
 
 /// Renders one service port: top-level rules into `filter` and `nat`, its own chains into `own`.
 fn render_service(
-    sp: &crate::model::ServicePort,
+    sp: &ServicePort,
     eps: &[Endpoint],
     settings: &Settings,
     filter: &mut TableRules,
     nat: &mut TableRules,
     own: &mut TableRules,
 ) {
-    let name = &sp.name;
-    let svc = name.to_string();
-    let proto = name.protocol.as_str();
-    let cat = categorize(eps, &settings.node);
-    let family = sp.family();
-    let Spelling {
-        host,
-        mut reject,
-        mask,
-    } = spelling(family);
-    match crate::backend::fast_reject(family) {
-        (protocol, crate::backend::FastReject::TcpReset) if protocol == name.protocol => {
-            reject = "REJECT --reject-with tcp-reset";
+    let port = PortRules::new(sp, eps, settings);
+    port.cluster_ip(filter, nat, own);
+    port.external_ips(filter, nat);
+    port.load_balancer_ips(filter, nat);
+    port.node_port(filter, nat);
+    port.health_check_node_port(filter);
+    if port.uses_ext {
+        port.external_chain(own);
+    }
+    if port.uses_fw {
+        port.firewall_chain(own);
+    }
+    port.policy_chains(own);
+    port.endpoint_chains(own);
+}
+
+/// One service port being rendered: its spellings, its endpoints per traffic policy, its chain
+/// names and what it uses, read by every stage of [`render_service`].
+struct PortRules<'a> {
+    sp: &'a ServicePort,
+    settings: &'a Settings,
+    /// The port's name, the base of its comments.
+    svc: String,
+    proto: &'static str,
+    host: &'static str,
+    mask: &'static str,
+    /// Endpoints for Cluster traffic policies (empty when no policy uses them).
+    cluster: Vec<&'a Endpoint>,
+    /// Node-local endpoints for Local traffic policies (empty when no policy uses them).
+    local: Vec<&'a Endpoint>,
+    has_endpoints: bool,
+    svc_chain: String,
+    svl_chain: String,
+    ext_chain: String,
+    fw_chain: String,
+    /// Whether the ClusterIP has endpoints for the internal policy.
+    has_internal: bool,
+    /// Whether the external destinations have endpoints for the external policy.
+    has_external: bool,
+    uses_ext: bool,
+    uses_fw: bool,
+    /// What filter does with traffic we cannot (or must not) forward: REJECT without any
+    /// endpoint, DROP without local ones.
+    filter_target: &'static str,
+    filter_comment: String,
+}
+
+impl<'a> PortRules<'a> {
+    fn new(sp: &'a ServicePort, eps: &'a [Endpoint], settings: &'a Settings) -> Self {
+        let name = &sp.name;
+        let svc = name.to_string();
+        let cat = categorize(eps, &settings.node);
+        let Spelling { host, reject, mask } = spelling(sp.family());
+        let reject = protocol_reject(sp.family(), name.protocol).unwrap_or(reject);
+
+        // kube-proxy's UsesClusterEndpoints / UsesLocalEndpoints.
+        let external = sp.externally_accessible();
+        let uses_cluster = !sp.internal_policy_local || external;
+        let uses_local = sp.internal_policy_local || (sp.external_policy_local && external);
+        let cluster = if uses_cluster { cat.cluster } else { Vec::new() };
+        let local = if uses_local { cat.local } else { Vec::new() };
+        let has_endpoints = cat.has_any;
+        let has_internal = if sp.internal_policy_local {
+            !local.is_empty()
+        } else {
+            has_endpoints
+        };
+        let has_external = if sp.external_policy_local {
+            !local.is_empty()
+        } else {
+            has_endpoints
+        };
+        let (filter_target, filter_comment) = if !has_endpoints {
+            (reject, format!("{svc} has no endpoints"))
+        } else {
+            ("DROP", format!("{svc} has no local endpoints"))
+        };
+        Self {
+            sp,
+            settings,
+            proto: name.protocol.as_str(),
+            host,
+            mask,
+            svc_chain: ipt_service_chain("SVC", name),
+            svl_chain: ipt_service_chain("SVL", name),
+            ext_chain: ipt_service_chain("EXT", name),
+            fw_chain: ipt_service_chain("FW", name),
+            has_internal,
+            has_external,
+            uses_ext: has_endpoints && external,
+            uses_fw: has_endpoints && !sp.load_balancer_ips.is_empty() && sp.has_source_ranges(),
+            filter_target,
+            filter_comment: comment(&filter_comment),
+            svc,
+            cluster,
+            local,
+            has_endpoints,
         }
-        (protocol, crate::backend::FastReject::ProtocolUnreachable) if protocol == name.protocol => {
-            reject = "REJECT --reject-with icmp-proto-unreachable";
-        }
-        _ => {}
     }
 
-    // kube-proxy's UsesClusterEndpoints / UsesLocalEndpoints.
-    let external = sp.externally_accessible();
-    let uses_cluster = !sp.internal_policy_local || external;
-    let uses_local = sp.internal_policy_local || (sp.external_policy_local && external);
-    let cluster: &[&Endpoint] = if uses_cluster { &cat.cluster } else { &[] };
-    let local: &[&Endpoint] = if uses_local { &cat.local } else { &[] };
-    let has_endpoints = cat.has_any;
+    /// The chain of the internal traffic policy.
+    fn internal_chain(&self) -> &str {
+        if self.sp.internal_policy_local {
+            &self.svl_chain
+        } else {
+            &self.svc_chain
+        }
+    }
 
-    let svc_chain = ipt_service_chain("SVC", name);
-    let svl_chain = ipt_service_chain("SVL", name);
-    let ext_chain = ipt_service_chain("EXT", name);
-    let fw_chain = ipt_service_chain("FW", name);
+    /// The chain of the external traffic policy.
+    fn external_policy_chain(&self) -> &str {
+        if self.sp.external_policy_local {
+            &self.svl_chain
+        } else {
+            &self.svc_chain
+        }
+    }
 
-    let uses_svc = !cluster.is_empty();
-    let uses_svl = !local.is_empty();
-    let internal_chain = if sp.internal_policy_local {
-        &svl_chain
-    } else {
-        &svc_chain
-    };
-    let has_internal = if sp.internal_policy_local {
-        !local.is_empty()
-    } else {
-        has_endpoints
-    };
-    let external_policy_chain = if sp.external_policy_local {
-        &svl_chain
-    } else {
-        &svc_chain
-    };
-    let has_external = if sp.external_policy_local {
-        !local.is_empty()
-    } else {
-        has_endpoints
-    };
-    let uses_ext = has_endpoints && external;
-    let uses_fw = has_endpoints && !sp.load_balancer_ips.is_empty() && sp.has_source_ranges();
-    let lb_chain = if uses_fw { &fw_chain } else { &ext_chain };
-
-    // What filter does with traffic we cannot (or must not) forward.
-    let (internal_target, external_target, filter_comment) = if !has_endpoints {
-        (reject, reject, format!("{svc} has no endpoints"))
-    } else {
-        ("DROP", "DROP", format!("{svc} has no local endpoints"))
-    };
-    let filter_comment = comment(&filter_comment);
-    let port = sp.port;
-    // `-d IP/32 -p P -m comment --comment C -m P --dport PORT`
-    let dest = |ip: &std::net::IpAddr, text: &str, dport: u16| {
+    /// `-d IP/32 -p P -m comment --comment C -m P --dport PORT`
+    fn dest(&self, ip: &IpAddr, text: &str, dport: u16) -> String {
+        let (host, proto) = (self.host, self.proto);
         format!("-d {ip}{host} -p {proto} {text} -m {proto} --dport {dport}")
-    };
+    }
 
-    // Cluster IP.
-    if has_internal {
-        let text = comment(&format!("{svc} cluster IP"));
-        nat.add(
-            SERVICES,
-            format!("{} -j {internal_chain}", dest(&sp.cluster_ip, &text, port)),
-        );
-        // Masquerade off-cluster traffic to the cluster IP (first rule of the internal chain).
-        let masq_spec = dest(&sp.cluster_ip, &text, port);
-        if settings.masquerade_all {
-            own.add(internal_chain, format!("{masq_spec} -j {MARK_MASQ}"));
-        } else if let Some(cidr) = settings.cluster_cidr(family) {
+    /// The filter rule for an external IP or load-balancer IP without endpoints.
+    fn blocked_external(&self, filter: &mut TableRules, ip: &IpAddr) {
+        let spec = self.dest(ip, &self.filter_comment, self.sp.port);
+        filter.add(EXTERNAL_SERVICES, format!("{spec} -j {}", self.filter_target));
+    }
+
+    /// Cluster IP: dispatched to the internal chain, whose first rule masquerades off-cluster
+    /// traffic; without endpoints rejected (or dropped) in filter.
+    fn cluster_ip(&self, filter: &mut TableRules, nat: &mut TableRules, own: &mut TableRules) {
+        let sp = self.sp;
+        if !self.has_internal {
+            let spec = self.dest(&sp.cluster_ip, &self.filter_comment, sp.port);
+            filter.add(SERVICES, format!("{spec} -j {}", self.filter_target));
+            return;
+        }
+        let internal_chain = self.internal_chain();
+        let text = comment(&format!("{} cluster IP", self.svc));
+        let spec = self.dest(&sp.cluster_ip, &text, sp.port);
+        nat.add(SERVICES, format!("{spec} -j {internal_chain}"));
+        if self.settings.masquerade_all {
+            own.add(internal_chain, format!("{spec} -j {MARK_MASQ}"));
+        } else if let Some(cidr) = self.settings.cluster_cidr(sp.family()) {
             own.add(
                 internal_chain,
-                format!("! -s {} {masq_spec} -j {MARK_MASQ}", cidr.trunc()),
-            );
-        }
-    } else {
-        filter.add(
-            SERVICES,
-            format!(
-                "{} -j {internal_target}",
-                dest(&sp.cluster_ip, &filter_comment, port)
-            ),
-        );
-    }
-
-    // External IPs.
-    for ip in &sp.external_ips {
-        if has_endpoints {
-            let text = comment(&format!("{svc} external IP"));
-            nat.add(SERVICES, format!("{} -j {ext_chain}", dest(ip, &text, port)));
-        }
-        if !has_external {
-            filter.add(
-                EXTERNAL_SERVICES,
-                format!("{} -j {external_target}", dest(ip, &filter_comment, port)),
+                format!("! -s {} {spec} -j {MARK_MASQ}", cidr.trunc()),
             );
         }
     }
 
-    // Load-balancer IPs.
-    for ip in &sp.load_balancer_ips {
-        if has_endpoints {
-            let text = comment(&format!("{svc} loadbalancer IP"));
-            nat.add(SERVICES, format!("{} -j {lb_chain}", dest(ip, &text, port)));
-        }
-        if uses_fw {
-            let text = comment(&format!("{svc} traffic not accepted by {fw_chain}"));
-            filter.add(PROXY_FIREWALL, format!("{} -j DROP", dest(ip, &text, port)));
-        }
-    }
-    if !has_external {
-        for ip in &sp.load_balancer_ips {
-            filter.add(
-                EXTERNAL_SERVICES,
-                format!("{} -j {external_target}", dest(ip, &filter_comment, port)),
-            );
+    /// External IPs: to the external destinations chain, blocked in filter without endpoints.
+    fn external_ips(&self, filter: &mut TableRules, nat: &mut TableRules) {
+        for ip in &self.sp.external_ips {
+            if self.has_endpoints {
+                let text = comment(&format!("{} external IP", self.svc));
+                let spec = self.dest(ip, &text, self.sp.port);
+                nat.add(SERVICES, format!("{spec} -j {}", self.ext_chain));
+            }
+            if !self.has_external {
+                self.blocked_external(filter, ip);
+            }
         }
     }
 
-    // Node port.
-    if let Some(node_port) = sp.node_port {
-        if has_endpoints {
+    /// Load-balancer IPs: to the firewall chain with source ranges (dropping in filter what it
+    /// did not accept), else to the external destinations chain.
+    fn load_balancer_ips(&self, filter: &mut TableRules, nat: &mut TableRules) {
+        let lb_chain = if self.uses_fw {
+            &self.fw_chain
+        } else {
+            &self.ext_chain
+        };
+        for ip in &self.sp.load_balancer_ips {
+            if self.has_endpoints {
+                let text = comment(&format!("{} loadbalancer IP", self.svc));
+                let spec = self.dest(ip, &text, self.sp.port);
+                nat.add(SERVICES, format!("{spec} -j {lb_chain}"));
+            }
+            if self.uses_fw {
+                let text = comment(&format!("{} traffic not accepted by {}", self.svc, self.fw_chain));
+                let spec = self.dest(ip, &text, self.sp.port);
+                filter.add(PROXY_FIREWALL, format!("{spec} -j DROP"));
+            }
+        }
+        // After every load-balancer IP's own rules, as kube-proxy writes them.
+        if !self.has_external {
+            for ip in &self.sp.load_balancer_ips {
+                self.blocked_external(filter, ip);
+            }
+        }
+    }
+
+    /// Node port: to the external destinations chain, blocked in filter without endpoints.
+    fn node_port(&self, filter: &mut TableRules, nat: &mut TableRules) {
+        let Some(node_port) = self.sp.node_port else {
+            return;
+        };
+        let proto = self.proto;
+        if self.has_endpoints {
             nat.add(
                 NODEPORTS,
                 format!(
-                    "-p {proto} {} -m {proto} --dport {node_port} -j {ext_chain}",
-                    comment(&svc)
+                    "-p {proto} {} -m {proto} --dport {node_port} -j {}",
+                    comment(&self.svc),
+                    self.ext_chain
                 ),
             );
         }
-        if !has_external {
+        if !self.has_external {
             filter.add(
                 EXTERNAL_SERVICES,
                 format!(
-                    "-p {proto} {filter_comment} -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j {external_target}"
+                    "-p {proto} {} -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j {}",
+                    self.filter_comment, self.filter_target
                 ),
             );
         }
     }
 
-    // Health-check node port: always accepted.
-    if let Some(hc) = sp.health_check_node_port {
-        filter.add(
-            NODEPORTS,
-            format!(
-                "-p tcp {} -m tcp --dport {hc} -j ACCEPT",
-                comment(&format!("{svc} health check node port"))
-            ),
-        );
+    /// Health-check node port: always accepted.
+    fn health_check_node_port(&self, filter: &mut TableRules) {
+        if let Some(hc) = self.sp.health_check_node_port {
+            filter.add(
+                NODEPORTS,
+                format!(
+                    "-p tcp {} -m tcp --dport {hc} -j ACCEPT",
+                    comment(&format!("{} health check node port", self.svc))
+                ),
+            );
+        }
     }
 
-    // External destinations chain.
-    if uses_ext {
-        own.declare(&ext_chain);
-        if !sp.external_policy_local {
+    /// External destinations chain: with a Cluster policy masquerade everything; with a Local
+    /// policy pod and node traffic goes to all endpoints (node traffic masqueraded), the rest
+    /// to the policy chain.
+    fn external_chain(&self, own: &mut TableRules) {
+        let (svc, svc_chain, ext_chain) = (&self.svc, &self.svc_chain, &self.ext_chain);
+        own.declare(ext_chain);
+        if !self.sp.external_policy_local {
             own.add(
-                &ext_chain,
+                ext_chain,
                 format!(
                     "{} -j {MARK_MASQ}",
                     comment(&format!("masquerade traffic for {svc} external destinations"))
                 ),
             );
         } else {
-            if let Some(cidr) = settings.cluster_cidr(family) {
+            if let Some(cidr) = self.settings.cluster_cidr(self.sp.family()) {
                 own.add(
-                    &ext_chain,
+                    ext_chain,
                     format!(
                         "-s {} {} -j {svc_chain}",
                         cidr.trunc(),
@@ -569,7 +643,7 @@ fn render_service(
                 );
             }
             own.add(
-                &ext_chain,
+                ext_chain,
                 format!(
                     "{} -m addrtype --src-type LOCAL -j {MARK_MASQ}",
                     comment(&format!(
@@ -578,73 +652,89 @@ fn render_service(
                 ),
             );
             own.add(
-                &ext_chain,
+                ext_chain,
                 format!(
                     "{} -m addrtype --src-type LOCAL -j {svc_chain}",
                     comment(&format!("route LOCAL traffic for {svc} external destinations"))
                 ),
             );
         }
-        if has_external {
-            own.add(&ext_chain, format!("-j {external_policy_chain}"));
+        if self.has_external {
+            own.add(ext_chain, format!("-j {}", self.external_policy_chain()));
         }
     }
 
-    // Firewall chain (loadBalancerSourceRanges).
-    if uses_fw {
-        own.declare(&fw_chain);
-        let text = comment(&format!("{svc} loadbalancer IP"));
+    /// Firewall chain (loadBalancerSourceRanges): allowed sources go on to the external
+    /// destinations chain, and the load-balancer IPs themselves when a range holds the node.
+    fn firewall_chain(&self, own: &mut TableRules) {
+        let (fw_chain, ext_chain, host) = (&self.fw_chain, &self.ext_chain, self.host);
+        own.declare(fw_chain);
+        let text = comment(&format!("{} loadbalancer IP", self.svc));
         let mut allow_from_node = false;
-        for range in &sp.load_balancer_source_ranges {
-            own.add(&fw_chain, format!("-s {} {text} -j {ext_chain}", range.trunc()));
-            allow_from_node |= settings.node.addresses.iter().any(|a| range.contains(a));
+        for range in &self.sp.load_balancer_source_ranges {
+            own.add(fw_chain, format!("-s {} {text} -j {ext_chain}", range.trunc()));
+            allow_from_node |= self.settings.node.addresses.iter().any(|a| range.contains(a));
         }
         if allow_from_node {
-            for ip in &sp.load_balancer_ips {
-                own.add(&fw_chain, format!("-s {ip}{host} {text} -j {ext_chain}"));
+            for ip in &self.sp.load_balancer_ips {
+                own.add(fw_chain, format!("-s {ip}{host} {text} -j {ext_chain}"));
             }
         }
     }
 
-    if uses_svc {
-        own.declare(&svc_chain);
-        endpoint_rules(own, &svc, sp, &svc_chain, cluster);
-    }
-    if uses_svl {
-        own.declare(&svl_chain);
-        endpoint_rules(own, &svc, sp, &svl_chain, local);
+    /// The policy chains in use: `SWY-SVC` over the cluster endpoints, `SWY-SVL` over the
+    /// local ones.
+    fn policy_chains(&self, own: &mut TableRules) {
+        if !self.cluster.is_empty() {
+            own.declare(&self.svc_chain);
+            endpoint_rules(own, &self.svc, self.sp, &self.svc_chain, &self.cluster);
+        }
+        if !self.local.is_empty() {
+            own.declare(&self.svl_chain);
+            endpoint_rules(own, &self.svc, self.sp, &self.svl_chain, &self.local);
+        }
     }
 
-    // Endpoint chains of every locally reachable endpoint.
-    let mut reachable: Vec<&Endpoint> = cluster.iter().chain(local.iter()).copied().collect();
-    reachable.sort();
-    reachable.dedup();
-    for ep in reachable {
-        let sep = ipt_endpoint_chain(name, ep);
-        let text = comment(&svc);
-        own.add(&sep, format!("-s {}{host} {text} -j {MARK_MASQ}", ep.ip));
-        let affinity = match sp.affinity_timeout_seconds {
-            Some(_) => format!(" -m recent --set --name {sep} --mask {mask} --rsource"),
-            None => String::new(),
-        };
-        own.add(
-            &sep,
-            format!(
-                "-p {proto} {text}{affinity} -m {proto} -j DNAT --to-destination {}",
-                std::net::SocketAddr::new(ep.ip, ep.port)
-            ),
-        );
+    /// Endpoint chains of every locally reachable endpoint: hairpin masquerade, then the DNAT
+    /// (recording the client for ClientIP affinity).
+    fn endpoint_chains(&self, own: &mut TableRules) {
+        let (proto, host, mask) = (self.proto, self.host, self.mask);
+        let mut reachable: Vec<&Endpoint> = self.cluster.iter().chain(self.local.iter()).copied().collect();
+        reachable.sort();
+        reachable.dedup();
+        for ep in reachable {
+            let sep = ipt_endpoint_chain(&self.sp.name, ep);
+            let text = comment(&self.svc);
+            own.add(&sep, format!("-s {}{host} {text} -j {MARK_MASQ}", ep.ip));
+            let affinity = match self.sp.affinity_timeout_seconds {
+                Some(_) => format!(" -m recent --set --name {sep} --mask {mask} --rsource"),
+                None => String::new(),
+            };
+            own.add(
+                &sep,
+                format!(
+                    "-p {proto} {text}{affinity} -m {proto} -j DNAT --to-destination {}",
+                    SocketAddr::new(ep.ip, ep.port)
+                ),
+            );
+        }
+    }
+}
+
+/// The REJECT of `protocol`'s services without endpoints when [`crate::backend::fast_reject`]
+/// picks that protocol in `family` (a TCP reset or protocol-unreachable), else `None`.
+fn protocol_reject(family: IpFamily, protocol: Protocol) -> Option<&'static str> {
+    match crate::backend::fast_reject(family) {
+        (p, crate::backend::FastReject::TcpReset) if p == protocol => Some("REJECT --reject-with tcp-reset"),
+        (p, crate::backend::FastReject::ProtocolUnreachable) if p == protocol => {
+            Some("REJECT --reject-with icmp-proto-unreachable")
+        }
+        _ => None,
     }
 }
 
 /// The affinity rules and the probability cascade of `chain` to `endpoints`.
-fn endpoint_rules(
-    own: &mut TableRules,
-    svc: &str,
-    sp: &crate::model::ServicePort,
-    chain: &str,
-    endpoints: &[&Endpoint],
-) {
+fn endpoint_rules(own: &mut TableRules, svc: &str, sp: &ServicePort, chain: &str, endpoints: &[&Endpoint]) {
     let mask = spelling(sp.family()).mask;
     if let Some(timeout) = sp.affinity_timeout_seconds {
         for ep in endpoints {
@@ -653,7 +743,7 @@ fn endpoint_rules(
                 chain,
                 format!(
                     "{} -m recent --rcheck --seconds {timeout} --reap --name {sep} --mask {mask} --rsource -j {sep}",
-                    comment(&format!("{svc} -> {}", std::net::SocketAddr::new(ep.ip, ep.port)))
+                    comment(&format!("{svc} -> {}", SocketAddr::new(ep.ip, ep.port)))
                 ),
             );
         }
@@ -661,7 +751,7 @@ fn endpoint_rules(
     let n = endpoints.len();
     for (i, ep) in endpoints.iter().enumerate() {
         let sep = ipt_endpoint_chain(&sp.name, ep);
-        let text = comment(&format!("{svc} -> {}", std::net::SocketAddr::new(ep.ip, ep.port)));
+        let text = comment(&format!("{svc} -> {}", SocketAddr::new(ep.ip, ep.port)));
         if i + 1 < n {
             own.add(
                 chain,
