@@ -1,0 +1,405 @@
+//! `api-bench`: the scale benchmark through the real API (issue 16), printing markdown tables.
+//!
+//! ```text
+//! api-bench [--rows 1k,10k,44k,5kx50] [--proxies sy-nft,sy-ipt,kp-nft,kp-ipt] [--variant nft|legacy]
+//!           [--reps 3] [--samples 20] [--gap-ms 1100] [--idle-s 0] [--limit-s 3600] [--concurrency 32]
+//! api-bench --fleet [--nodes 5000] [--waves 10] [--concurrency 32] [--idle-s 0]
+//! ```
+//! Rows are `<N>[k]x<endpoints>` (endpoints default 2); the default is the quick row `1k`. Every
+//! proxy runs in a fresh node namespace against one apiserver per row, the proxies interleaved
+//! per repetition; cells are medians over the repetitions. Run as root, with the workspace's
+//! binaries built in the same profile (`cargo build --release --bins` for `--release`).
+
+use std::{process::ExitCode, time::Duration};
+
+use switchyard_e2e::{
+    Result,
+    agent::install_switchyard,
+    controlplane::ControlPlane,
+    kube_proxy::Mode,
+    scale::{self, Model, Proxy, ProxyRun, RunOpts, fleet},
+};
+
+struct Args {
+    rows: Vec<(usize, usize)>,
+    proxies: Vec<String>,
+    variant: &'static str,
+    reps: usize,
+    samples: usize,
+    gap_ms: u64,
+    idle_s: u64,
+    limit_s: u64,
+    concurrency: usize,
+    fleet: bool,
+    nodes: usize,
+    waves: usize,
+}
+
+fn parse_row(s: &str) -> Option<(usize, usize)> {
+    let (n, eps) = s.split_once('x').unwrap_or((s, "2"));
+    let n = match n.strip_suffix('k') {
+        Some(k) => k.parse::<usize>().ok()? * 1000,
+        None => n.parse().ok()?,
+    };
+    Some((n, eps.parse().ok()?))
+}
+
+fn parse_args() -> std::result::Result<Args, String> {
+    let mut a = Args {
+        rows: vec![(1000, 2)],
+        proxies: ["sy-nft", "sy-ipt", "kp-nft", "kp-ipt"]
+            .map(String::from)
+            .to_vec(),
+        variant: "nft",
+        reps: 1,
+        samples: 20,
+        gap_ms: 1100,
+        idle_s: 0,
+        limit_s: 3600,
+        concurrency: 32,
+        fleet: false,
+        nodes: 5000,
+        waves: 10,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--fleet" {
+            a.fleet = true;
+            continue;
+        }
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        let num = || {
+            value
+                .parse::<u64>()
+                .map_err(|_| format!("{flag}: not a number: {value}"))
+        };
+        match flag.as_str() {
+            "--rows" => {
+                a.rows = value
+                    .split(',')
+                    .map(|r| parse_row(r).ok_or(format!("bad row {r}")))
+                    .collect::<std::result::Result<_, _>>()?
+            }
+            "--proxies" => a.proxies = value.split(',').map(String::from).collect(),
+            "--variant" if value == "nft" => a.variant = "nft",
+            "--variant" if value == "legacy" => a.variant = "legacy",
+            "--reps" => a.reps = num()? as usize,
+            "--samples" => a.samples = num()? as usize,
+            "--gap-ms" => a.gap_ms = num()?,
+            "--idle-s" => a.idle_s = num()?,
+            "--limit-s" => a.limit_s = num()?,
+            "--concurrency" => a.concurrency = num()? as usize,
+            "--nodes" => a.nodes = num()? as usize,
+            "--waves" => a.waves = num()? as usize,
+            _ => return Err(format!("unknown flag {flag} {value}")),
+        }
+    }
+    Ok(a)
+}
+
+fn proxy_of(name: &str, variant: &'static str) -> Option<Proxy> {
+    Some(match name {
+        "sy-nft" => Proxy::Switchyard(Mode::Nftables),
+        "sy-ipt" => Proxy::Switchyard(Mode::Iptables(variant)),
+        "kp-nft" => Proxy::KubeProxy(Mode::Nftables),
+        "kp-ipt" => Proxy::KubeProxy(Mode::Iptables(variant)),
+        _ => return None,
+    })
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// One table line: a name and per proxy the medians of its extractors.
+type Extract = fn(&ProxyRun) -> f64;
+
+fn cell(runs: &[ProxyRun], fs: &[Extract], digits: usize) -> String {
+    fs.iter()
+        .map(|f| {
+            let v = scale::median(&runs.iter().map(f).collect::<Vec<_>>());
+            if v.is_nan() {
+                "–".into()
+            } else {
+                format!("{v:.digits$}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
+fn ratio(ours: &[ProxyRun], theirs: &[ProxyRun], fs: &[Extract]) -> String {
+    fs.iter()
+        .map(|f| {
+            let a = scale::median(&ours.iter().map(f).collect::<Vec<_>>());
+            let b = scale::median(&theirs.iter().map(f).collect::<Vec<_>>());
+            if a.is_nan() || b.is_nan() || b == 0.0 {
+                "–".into()
+            } else {
+                format!("{:.2}", a / b)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
+fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
+    vec![
+        (
+            "start → all rules in the kernel (s)",
+            vec![(|r: &ProxyRun| r.to_rules.as_secs_f64()) as Extract],
+            2,
+        ),
+        (
+            "first full sync, own metric (s)",
+            vec![(|r: &ProxyRun| r.first_sync.map_or(f64::NAN, |s| s.0)) as Extract],
+            2,
+        ),
+        (
+            "+1 Service (slice exists): API write → kernel p50 / p99 (ms)",
+            vec![
+                (|r: &ProxyRun| scale::quantile(&r.add_ms, 0.5)) as Extract,
+                (|r: &ProxyRun| scale::quantile(&r.add_ms, 0.99)) as Extract,
+            ],
+            0,
+        ),
+        (
+            "1 endpoint changed: API write → kernel p50 / p99 (ms)",
+            vec![
+                (|r: &ProxyRun| scale::quantile(&r.change_ms, 0.5)) as Extract,
+                (|r: &ProxyRun| scale::quantile(&r.change_ms, 0.99)) as Extract,
+            ],
+            0,
+        ),
+        (
+            "own partial-sync metric per endpoint change (ms)",
+            vec![(|r: &ProxyRun| r.partial_sync.map_or(f64::NAN, |p| p.0)) as Extract],
+            1,
+        ),
+        (
+            "CPU per endpoint change, gaps included (ms)",
+            vec![(|r: &ProxyRun| r.change_cpu_ms) as Extract],
+            0,
+        ),
+        (
+            "RSS / CPU at first sync (MiB / s)",
+            vec![
+                (|r: &ProxyRun| r.at_sync.rss_mib) as Extract,
+                (|r: &ProxyRun| r.at_sync.cpu_s) as Extract,
+            ],
+            1,
+        ),
+        (
+            "RSS / CPU at the end (MiB / s)",
+            vec![
+                (|r: &ProxyRun| r.at_end.rss_mib) as Extract,
+                (|r: &ProxyRun| r.at_end.cpu_s) as Extract,
+            ],
+            1,
+        ),
+        (
+            "idle CPU over the idle window (s)",
+            vec![(|r: &ProxyRun| r.idle_cpu_s.unwrap_or(f64::NAN)) as Extract],
+            2,
+        ),
+        (
+            "IPv4 rules / chains / comments / set+map elements",
+            vec![
+                (|r: &ProxyRun| r.counts.rules as f64) as Extract,
+                (|r: &ProxyRun| r.counts.chains as f64) as Extract,
+                (|r: &ProxyRun| r.counts.comments as f64) as Extract,
+                (|r: &ProxyRun| r.counts.elements as f64) as Extract,
+            ],
+            0,
+        ),
+        (
+            "ClusterIPs / endpoints found in the kernel",
+            vec![
+                (|r: &ProxyRun| r.found.0.0 as f64) as Extract,
+                (|r: &ProxyRun| r.found.0.1 as f64) as Extract,
+            ],
+            0,
+        ),
+        (
+            "kernel check of a change / start-up listing (ms)",
+            vec![
+                (|r: &ProxyRun| r.check_ms) as Extract,
+                (|r: &ProxyRun| r.listing_cost.as_secs_f64() * 1000.0) as Extract,
+            ],
+            1,
+        ),
+    ]
+}
+
+fn print_table(n: usize, eps: usize, proxies: &[Proxy], runs: &[Vec<ProxyRun>]) {
+    let mut pairs = Vec::new();
+    for (i, p) in proxies.iter().enumerate() {
+        if let Proxy::Switchyard(m) = p
+            && let Some(j) = proxies.iter().position(|q| *q == Proxy::KubeProxy(*m))
+        {
+            pairs.push((i, j, p.mode_label()));
+        }
+    }
+    let mut head = format!("| {n} Services × {eps} endpoints |");
+    for p in proxies {
+        head.push_str(&format!(" {} |", p.label()));
+    }
+    for (_, _, m) in &pairs {
+        head.push_str(&format!(" ours / kube-proxy {m} |"));
+    }
+    println!("\n{head}");
+    println!("|{}", "---|".repeat(1 + proxies.len() + pairs.len()));
+    for (name, fs, digits) in lines() {
+        let mut line = format!("| {name} |");
+        for r in runs {
+            line.push_str(&format!(" {} |", cell(r, &fs, digits)));
+        }
+        for (i, j, _) in &pairs {
+            line.push_str(&format!(" {} |", ratio(&runs[*i], &runs[*j], &fs)));
+        }
+        println!("{line}");
+    }
+    println!();
+}
+
+async fn bench_row(a: &Args, n: usize, eps: usize, proxies: &[Proxy]) -> Result<()> {
+    println!("## {n} Services × {eps} endpoints (load average {})", loadavg());
+    let cp = ControlPlane::start().await?;
+    install_switchyard(&cp)?;
+    let client = cp.admin_client().await?;
+    let mut model = Model::new(n, eps);
+    let t = std::time::Instant::now();
+    scale::bulk_load(&client, &model.services, a.concurrency).await?;
+    println!(
+        "loaded {n} Services and slices in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let opts = RunOpts {
+        samples: a.samples,
+        gap: Duration::from_millis(a.gap_ms),
+        limit: Duration::from_secs(a.limit_s),
+        period: Duration::from_millis(10),
+        idle: Duration::from_secs(a.idle_s),
+    };
+    let mut runs: Vec<Vec<ProxyRun>> = vec![Vec::new(); proxies.len()];
+    for rep in 0..a.reps {
+        for (i, p) in proxies.iter().enumerate() {
+            let r = scale::run_proxy(&cp, &client, &mut model, *p, &opts).await?;
+            println!(
+                "rep {rep} {}: rules {:.2} s, sync {:?}, add p50 {:.0} ms, change p50 {:.0} ms, RSS {:.0} MiB, CPU {:.2} s (load {})",
+                p.label(),
+                r.to_rules.as_secs_f64(),
+                r.first_sync,
+                scale::quantile(&r.add_ms, 0.5),
+                scale::quantile(&r.change_ms, 0.5),
+                r.at_sync.rss_mib,
+                r.at_sync.cpu_s,
+                loadavg()
+            );
+            runs[i].push(r);
+        }
+    }
+    print_table(n, eps, proxies, &runs);
+    println!("(load average at the end {})", loadavg());
+    Ok(())
+}
+
+fn print_fleet(r: &fleet::FleetRun) {
+    println!(
+        "\n| wave | nodes | wave time (s) | NodeProxy spec writes first→last (s) | operator requests | by verb and resource |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for w in &r.waves {
+        let total: usize = w.requests.values().sum();
+        let by: Vec<String> = w.requests.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {total} | {} |",
+            w.name,
+            w.nodes,
+            w.duration.as_secs_f64(),
+            w.writes_span.as_secs_f64(),
+            by.join(", ")
+        );
+    }
+    println!(
+        "\nnodes {}: loaded in {:.1} s; rollout Ready {:.1} s after the policy's creation",
+        r.nodes,
+        r.load.as_secs_f64(),
+        r.rollout.as_secs_f64()
+    );
+    println!(
+        "operator before the policy: RSS {:.1} MiB, CPU {:.2} s; at Ready: RSS {:.1} MiB, CPU {:.2} s (rollout {:.2} CPU-s)",
+        r.before.rss_mib,
+        r.before.cpu_s,
+        r.after.rss_mib,
+        r.after.cpu_s,
+        r.after.cpu_s - r.before.cpu_s
+    );
+    let total: usize = r.resync_requests.values().sum();
+    let by: Vec<String> = r
+        .resync_requests
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    println!(
+        "resync (a new replica lists {} Nodes and NodeProxies and reconciles): {:.2} CPU-s, {:.1} s wall, RSS {:.1} MiB, {total} requests ({})",
+        r.nodes,
+        r.resync_cpu_s,
+        r.resync_wall.as_secs_f64(),
+        r.resync_rss_mib,
+        by.join(", ")
+    );
+    if let Some(idle) = r.idle_cpu_s {
+        println!("idle after the resync: {idle:.2} CPU-s over the idle window");
+    }
+}
+
+async fn main_result(a: Args) -> Result<()> {
+    println!("command: {}", std::env::args().collect::<Vec<_>>().join(" "));
+    println!(
+        "started {:?} (unix s); load average {} on {} CPUs",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        loadavg(),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+    );
+    if a.fleet {
+        let opts = fleet::FleetOpts {
+            nodes: a.nodes,
+            waves: a.waves,
+            concurrency: a.concurrency,
+            idle: Duration::from_secs(a.idle_s),
+        };
+        let r = fleet::run_fleet(&opts).await?;
+        print_fleet(&r);
+        println!("(load average at the end {})", loadavg());
+        return Ok(());
+    }
+    let proxies: Vec<Proxy> = a.proxies.iter().filter_map(|p| proxy_of(p, a.variant)).collect();
+    for (n, eps) in a.rows.clone() {
+        bench_row(&a, n, eps, &proxies).await?;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("api-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match main_result(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("api-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

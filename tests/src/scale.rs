@@ -1,0 +1,784 @@
+//! The scale benchmark through the real API (issue 16): N ClusterIP Services with their
+//! EndpointSlices loaded into the test kube-apiserver in bulk, then one proxy at a time —
+//! Switchyard's agent or the real kube-proxy, nftables or iptables mode — started in a fresh node
+//! namespace and measured from the outside: start → every ClusterIP and endpoint in the kernel's
+//! own listing, its sync-duration metric, RSS and CPU at that moment, and API write → kernel for a
+//! new Service (its slice already there) and for one endpoint changed, the kernel polled every
+//! 10 ms with a query for the one object that must change ([`names`]).
+//!
+//! [`fleet`] is the operator at fleet scale (thousands of Nodes and NodeProxies, played agents).
+//! `src/bin/api-bench.rs` prints the tables; `tests/api_bench.rs` runs the 1k row as a smoke check.
+
+pub mod fleet;
+pub mod names;
+pub mod sys;
+
+use std::{
+    collections::HashSet,
+    net::Ipv4Addr,
+    time::{Duration, Instant},
+};
+
+use futures::{StreamExt, TryStreamExt};
+use kube::Client;
+use serde_json::json;
+
+use crate::{
+    Error, Result,
+    agent::{self, Agent},
+    controlplane::ControlPlane,
+    kube_proxy::{KubeProxy, Mode},
+    netns::{self, Cluster},
+    objects::{self, Ep},
+};
+
+/// The port of every benchmark Service, and its endpoints' port.
+pub const PORT: u16 = 80;
+/// The endpoints' (target) port.
+pub const TARGET_PORT: u16 = 8080;
+/// The pod CIDRs given to every proxy.
+pub const CLUSTER_CIDRS: &str = "10.244.0.0/16,fd00:10:244::/56";
+/// Where both proxies serve `/metrics` in the node namespace.
+pub const METRICS_PORT: u16 = 10249;
+/// The node name endpoints are on (no namespace node: every endpoint is remote).
+const EP_NODE: &str = "remote";
+/// The first ClusterIP of added Services (index into 10.96.0.0/16 past any row's N).
+const ADDED_BASE: u32 = 60_000;
+
+/// One benchmark Service: `default/<name>` port `http` 80/TCP → its endpoints' 8080.
+#[derive(Debug, Clone)]
+pub struct BenchSvc {
+    /// Name in `default`.
+    pub name: String,
+    /// Its ClusterIP (set explicitly).
+    pub cluster_ip: Ipv4Addr,
+    /// Its endpoints (one IPv4 slice).
+    pub eps: Vec<Ipv4Addr>,
+}
+
+/// What the API holds: the loaded Services and the ones added by the latency samples.
+#[derive(Debug, Clone)]
+pub struct Model {
+    /// Loaded Services `b-0 … b-(N-1)`.
+    pub services: Vec<BenchSvc>,
+    /// Services added by the current run (deleted after it).
+    pub added: Vec<BenchSvc>,
+    next_ep: u32,
+    next_added: u32,
+}
+
+fn cluster_ip(index: u32) -> Ipv4Addr {
+    // 10.96.0.16 onwards: clear of 10.96.0.1 (`kubernetes`).
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 16)) + index)
+}
+
+impl Model {
+    /// `n` Services with `eps` endpoints each.
+    pub fn new(n: usize, eps: usize) -> Self {
+        let mut m = Self {
+            services: Vec::with_capacity(n),
+            added: Vec::new(),
+            next_ep: 0,
+            next_added: 0,
+        };
+        for i in 0..n {
+            let list = (0..eps).map(|_| m.alloc_ep()).collect();
+            m.services.push(BenchSvc {
+                name: format!("b-{i}"),
+                cluster_ip: cluster_ip(i as u32),
+                eps: list,
+            });
+        }
+        m
+    }
+
+    /// A fresh endpoint address in 10.128.0.0/9.
+    pub fn alloc_ep(&mut self) -> Ipv4Addr {
+        self.next_ep += 1;
+        Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + self.next_ep)
+    }
+
+    /// A new Service `add-<k>` with 2 fresh endpoints, recorded in `added`.
+    pub fn new_added(&mut self) -> BenchSvc {
+        let k = self.next_added;
+        self.next_added += 1;
+        let eps = vec![self.alloc_ep(), self.alloc_ep()];
+        let svc = BenchSvc {
+            name: format!("add-{k}"),
+            cluster_ip: cluster_ip(ADDED_BASE + k),
+            eps,
+        };
+        self.added.push(svc.clone());
+        svc
+    }
+
+    /// (ClusterIPs, endpoints) the kernel must hold.
+    pub fn expected(&self) -> (usize, usize) {
+        let all = self.services.iter().chain(&self.added);
+        let (mut s, mut e) = (0, 0);
+        for svc in all {
+            s += 1;
+            e += svc.eps.len();
+        }
+        (s, e)
+    }
+}
+
+/// Writes `svc`'s EndpointSlice (server-side apply, as the endpointslice controller's result).
+pub async fn put_slice(client: &Client, svc: &BenchSvc) -> Result<()> {
+    let eps: Vec<Ep> = svc.eps.iter().map(|ip| Ep::ready(ip, EP_NODE)).collect();
+    objects::apply_slice(client, &svc.name, &[("http", TARGET_PORT, "TCP")], &eps).await?;
+    Ok(())
+}
+
+/// Writes `svc`'s Service (no selector: its slice is ours to write).
+pub async fn put_service(client: &Client, svc: &BenchSvc) -> Result<()> {
+    let spec = json!({"clusterIP": svc.cluster_ip.to_string(), "ports": [
+        {"name": "http", "port": PORT, "targetPort": TARGET_PORT, "protocol": "TCP"}]});
+    objects::apply_service(client, &svc.name, spec, None).await?;
+    Ok(())
+}
+
+/// Loads `services` (slice, then Service) with `concurrency` requests in flight.
+pub async fn bulk_load(client: &Client, services: &[BenchSvc], concurrency: usize) -> Result<()> {
+    futures::stream::iter(services)
+        .map(|svc| async move {
+            put_slice(client, svc).await?;
+            put_service(client, svc).await
+        })
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Deletes the Services a run added (and their slices).
+pub async fn delete_added(client: &Client, model: &mut Model) -> Result<()> {
+    let added = std::mem::take(&mut model.added);
+    futures::stream::iter(&added)
+        .map(|svc| objects::delete_service(client, &svc.name))
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// One proxy under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proxy {
+    /// `switchyard-agent --mode …`.
+    Switchyard(Mode),
+    /// The real kube-proxy.
+    KubeProxy(Mode),
+}
+
+impl Proxy {
+    /// Its mode.
+    pub fn mode(self) -> Mode {
+        match self {
+            Proxy::Switchyard(m) | Proxy::KubeProxy(m) => m,
+        }
+    }
+
+    /// The mode's short name: `nft`, `ipt-nft`, `ipt-legacy`.
+    pub fn mode_label(self) -> String {
+        match self.mode() {
+            Mode::Nftables => "nft".into(),
+            Mode::Iptables(v) => format!("ipt-{v}"),
+        }
+    }
+
+    /// `switchyard nft`, `kube-proxy ipt-nft`, ….
+    pub fn label(self) -> String {
+        let who = match self {
+            Proxy::Switchyard(_) => "switchyard",
+            Proxy::KubeProxy(_) => "kube-proxy",
+        };
+        format!("{who} {}", self.mode_label())
+    }
+
+    fn comm(self) -> &'static str {
+        match self {
+            // The kernel keeps 15 characters of a command name.
+            Proxy::Switchyard(_) => "switchyard-agen",
+            Proxy::KubeProxy(_) => "kube-proxy",
+        }
+    }
+
+    fn nft_table(self) -> &'static str {
+        match self {
+            Proxy::Switchyard(_) => "switchyard",
+            Proxy::KubeProxy(_) => "kube-proxy",
+        }
+    }
+
+    fn ipt_prefix(self) -> &'static str {
+        match self {
+            Proxy::Switchyard(_) => "SWY",
+            Proxy::KubeProxy(_) => "KUBE",
+        }
+    }
+
+    /// Syncs its first full sync takes (kube-proxy syncs each IP family on its own).
+    fn first_syncs(self) -> f64 {
+        match self {
+            Proxy::Switchyard(_) => 1.0,
+            Proxy::KubeProxy(_) => 2.0,
+        }
+    }
+}
+
+/// A running proxy process (stopped on drop).
+enum Running {
+    Ours(Agent),
+    Kp(KubeProxy),
+}
+
+impl Running {
+    fn alive(&mut self) -> bool {
+        match self {
+            Running::Ours(a) => a.exit_status().is_none(),
+            Running::Kp(k) => k.running(),
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = match self {
+            Running::Ours(a) => a.log_text(),
+            Running::Kp(k) => k.log_text(),
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+/// The listing the start-up poll counts in: the proxy's IPv4 nft table, or the nat table of its
+/// iptables variant (where every ClusterIP and endpoint DNAT lives).
+pub fn rules_listing(proxy: Proxy, netns: &str) -> Result<String> {
+    match proxy.mode() {
+        Mode::Nftables => sys::in_netns(netns, &["nft", "list", "table", "ip", proxy.nft_table()]),
+        Mode::Iptables(v) => sys::in_netns(netns, &[&format!("iptables-{v}-save"), "-t", "nat"]),
+    }
+}
+
+/// Everything the proxy wrote for IPv4 (for the object counts): the nft table, or every table of
+/// the variant's save.
+pub fn full_listing(proxy: Proxy, netns: &str) -> Result<String> {
+    match proxy.mode() {
+        Mode::Nftables => rules_listing(proxy, netns),
+        Mode::Iptables(v) => sys::in_netns(netns, &[&format!("iptables-{v}-save")]),
+    }
+}
+
+/// Every IPv4 address written in `text` (`10.96.0.5`, `10.128.0.1/32`, `…__10.128.0.1/8080`).
+fn ipv4_tokens(text: &str) -> HashSet<u32> {
+    text.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter(|t| t.len() >= 7)
+        .filter_map(|t| t.trim_matches('.').parse::<Ipv4Addr>().ok())
+        .map(u32::from)
+        .collect()
+}
+
+/// (ClusterIPs, endpoints) of `model` that `listing` names.
+pub fn coverage(listing: &str, model: &Model) -> (usize, usize) {
+    let seen = ipv4_tokens(listing);
+    let (mut s, mut e) = (0, 0);
+    for svc in model.services.iter().chain(&model.added) {
+        s += usize::from(seen.contains(&u32::from(svc.cluster_ip)));
+        e += svc
+            .eps
+            .iter()
+            .filter(|ip| seen.contains(&u32::from(**ip)))
+            .count();
+    }
+    (s, e)
+}
+
+/// Kernel objects in a listing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counts {
+    /// Rules (`-A` lines; nft statements inside chains).
+    pub rules: usize,
+    /// Chains.
+    pub chains: usize,
+    /// Comments (`--comment`, nft `comment "…"`).
+    pub comments: usize,
+    /// nft set and map elements (0 for iptables).
+    pub elements: usize,
+}
+
+/// Counts the objects of an `iptables-save` or `nft list` text.
+pub fn count_objects(listing: &str, mode: Mode) -> Counts {
+    let mut c = Counts::default();
+    if let Mode::Iptables(_) = mode {
+        for line in listing.lines() {
+            c.rules += usize::from(line.starts_with("-A "));
+            c.chains += usize::from(line.starts_with(':'));
+            c.comments += line.matches("--comment").count();
+        }
+        return c;
+    }
+    let (mut in_chain, mut in_elements) = (false, false);
+    for line in listing.lines().map(str::trim) {
+        c.comments += line.matches("comment \"").count();
+        if in_elements {
+            c.elements += line.matches(',').count();
+            if line.ends_with('}') {
+                c.elements += 1;
+                in_elements = false;
+            }
+        } else if line.starts_with("elements = {") {
+            c.elements += line.matches(',').count();
+            if line.ends_with('}') {
+                c.elements += 1;
+            } else {
+                in_elements = true;
+            }
+        } else if line.starts_with("chain ") {
+            c.chains += 1;
+            in_chain = true;
+        } else if line == "}" {
+            in_chain = false;
+        } else if in_chain
+            && !line.is_empty()
+            && !line.starts_with("type ")
+            && !line.starts_with("comment ")
+            && !line.starts_with("policy ")
+        {
+            c.rules += 1;
+        }
+    }
+    c
+}
+
+/// Whether the kernel serves `svc` with each of `eps` (one cheap query, not a listing): our nft
+/// endpoint-map elements of the ClusterIP; kube-proxy's nft service chain; the iptables service
+/// chain's jumps to the endpoints' `SEP` chains (one iptables-restore commits both).
+pub fn programmed(proxy: Proxy, netns: &str, svc: &BenchSvc, eps: &[Ipv4Addr]) -> bool {
+    let listing = match (proxy, proxy.mode()) {
+        (Proxy::Switchyard(_), Mode::Nftables) => {
+            let keys: Vec<String> = (0..svc.eps.len())
+                .map(|i| format!("{} . tcp . {PORT} . {i}", svc.cluster_ip))
+                .collect();
+            let map = format!("ip-endpoints-{}", svc.eps.len());
+            let set = format!("{{ {} }}", keys.join(", "));
+            sys::in_netns(netns, &["nft", "get", "element", "ip", "switchyard", &map, &set])
+        }
+        (Proxy::KubeProxy(_), Mode::Nftables) => {
+            let chain = names::nft_service_chain(&svc.name);
+            sys::in_netns(netns, &["nft", "list", "chain", "ip", "kube-proxy", &chain])
+        }
+        (_, Mode::Iptables(v)) => {
+            let chain = names::ipt_service_chain(proxy.ipt_prefix(), &svc.name);
+            let tool = format!("iptables-{v}");
+            sys::in_netns(netns, &[&tool, "-w", "5", "-t", "nat", "-S", &chain])
+        }
+    };
+    let Ok(text) = listing else { return false };
+    eps.iter().all(|ip| match (proxy, proxy.mode()) {
+        (Proxy::Switchyard(_), Mode::Nftables) => text.contains(&format!("{ip} . {TARGET_PORT}")),
+        (Proxy::KubeProxy(_), Mode::Nftables) => text.contains(&names::nft_endpoint_suffix(*ip, TARGET_PORT)),
+        (_, Mode::Iptables(_)) => text.contains(&names::ipt_endpoint_chain(
+            proxy.ipt_prefix(),
+            &svc.name,
+            *ip,
+            TARGET_PORT,
+        )),
+    })
+}
+
+/// One successful poll.
+#[derive(Debug, Clone, Copy)]
+pub struct Polled {
+    /// From `since` to the end of the check that succeeded.
+    pub after: Duration,
+    /// Checks made.
+    pub checks: u32,
+    /// Total time spent in checks.
+    pub spent: Duration,
+}
+
+/// Runs `check` every `period` (back to back when a check takes longer) until it is true, for
+/// at most `limit` after `since`. Blocking: call it through `block_in_place`.
+pub fn poll_until(
+    since: Instant,
+    limit: Duration,
+    period: Duration,
+    mut check: impl FnMut() -> bool,
+) -> Option<Polled> {
+    let (mut checks, mut spent) = (0, Duration::ZERO);
+    loop {
+        let t = Instant::now();
+        let ok = check();
+        spent += t.elapsed();
+        checks += 1;
+        if ok {
+            return Some(Polled {
+                after: since.elapsed(),
+                checks,
+                spent,
+            });
+        }
+        if since.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(period.saturating_sub(t.elapsed()));
+    }
+}
+
+/// Options of one proxy run.
+#[derive(Debug, Clone)]
+pub struct RunOpts {
+    /// Latency samples of each kind (≥ 20 for the benchmark).
+    pub samples: usize,
+    /// Pause before each timed write (past both proxies' 1 s minimum sync period).
+    pub gap: Duration,
+    /// Bound of the start-up (all rules in the kernel).
+    pub limit: Duration,
+    /// Kernel poll period of the latency samples.
+    pub period: Duration,
+    /// Seconds of idle CPU to measure after the samples (0: none).
+    pub idle: Duration,
+}
+
+/// What one run of one proxy measured.
+#[derive(Debug, Clone)]
+pub struct ProxyRun {
+    /// The proxy.
+    pub proxy: Proxy,
+    /// Process start → every ClusterIP and endpoint in the kernel's listing.
+    pub to_rules: Duration,
+    /// Listings made by the start-up poll and the last one's duration.
+    pub listing_cost: Duration,
+    /// The first full sync(s) by its own metric: (seconds, syncs counted).
+    pub first_sync: Option<(f64, f64)>,
+    /// Usage when every rule was seen.
+    pub at_sync: sys::Usage,
+    /// +1 Service (slice exists): API write → kernel, ms.
+    pub add_ms: Vec<f64>,
+    /// One endpoint changed: API write → kernel, ms.
+    pub change_ms: Vec<f64>,
+    /// CPU ms per endpoint change (the phase's CPU over its changes, gaps included).
+    pub change_cpu_ms: f64,
+    /// Mean of its own partial-sync metric over the endpoint-change phase, ms, and the syncs.
+    pub partial_sync: Option<(f64, f64)>,
+    /// Mean cost of one latency check, ms.
+    pub check_ms: f64,
+    /// Objects in the kernel after the first sync.
+    pub counts: Counts,
+    /// (ClusterIPs, endpoints) found and expected at start-up.
+    pub found: ((usize, usize), (usize, usize)),
+    /// Usage at the end.
+    pub at_end: sys::Usage,
+    /// CPU seconds over the idle window, if measured.
+    pub idle_cpu_s: Option<f64>,
+}
+
+/// Starts `proxy` on `node` (Node object and agent Pod created on the first run of a control
+/// plane, reused after).
+async fn start_proxy(cp: &ControlPlane, node: &netns::Node, proxy: Proxy) -> Result<Running> {
+    match proxy {
+        Proxy::Switchyard(mode) => {
+            let token = match agent::agent_token(cp, &node.name).await {
+                Ok(t) => t,
+                Err(_) => agent::node_token(cp, &node.name).await?,
+            };
+            let _ = std::fs::remove_dir_all(cp.dir().join(format!("state-{}", node.name)));
+            let args = ["--mode", mode.name(), "--cluster-cidr", CLUSTER_CIDRS];
+            Ok(Running::Ours(Agent::start(cp, node, &token, &args)?))
+        }
+        Proxy::KubeProxy(mode) => Ok(Running::Kp(KubeProxy::start(cp, node, mode, CLUSTER_CIDRS)?)),
+    }
+}
+
+/// kubelet's iptables chains in `variant` (both families), as on a real node: they steer
+/// Switchyard's (iptables-wrapper's) choice of variant.
+fn play_kubelet(netns: &str, variant: &str) -> Result<()> {
+    for tool in ["iptables", "ip6tables"] {
+        for (table, chain) in [
+            ("mangle", "KUBE-IPTABLES-HINT"),
+            ("mangle", "KUBE-KUBELET-CANARY"),
+            ("filter", "KUBE-FIREWALL"),
+        ] {
+            sys::in_netns(
+                netns,
+                &[&format!("{tool}-{variant}"), "-w", "5", "-t", table, "-N", chain],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Start-up: polls the kernel's listing until it names every ClusterIP and endpoint of `model`.
+/// Returns (time from `t0`, cost of the last listing, usage then, pid).
+fn await_all_rules(
+    proxy: Proxy,
+    netns: &str,
+    running: &mut Running,
+    model: &Model,
+    t0: Instant,
+    limit: Duration,
+) -> Result<(Duration, Duration, sys::Usage, u32)> {
+    let want = model.expected();
+    let mut pid = None;
+    let mut last = (0, 0);
+    loop {
+        if pid.is_none() {
+            pid = sys::pid_in_netns(netns, proxy.comm())?;
+        }
+        let t = Instant::now();
+        if let Ok(listing) = rules_listing(proxy, netns) {
+            last = coverage(&listing, model);
+            if last == want
+                && let Some(pid) = pid
+            {
+                let at = t0.elapsed();
+                return Ok((at, t.elapsed(), sys::usage(pid)?, pid));
+            }
+        }
+        if !running.alive() {
+            return Err(Error::Prerequisite(format!(
+                "{} exited during start-up; log:\n{}",
+                proxy.label(),
+                running.log_tail()
+            )));
+        }
+        if t0.elapsed() > limit {
+            return Err(Error::Timeout(
+                limit,
+                format!("{}: all rules (found {last:?} of {want:?})", proxy.label()),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+    }
+}
+
+/// Its own full-sync metric once the first full sync of each family is counted (kube-proxy's
+/// second family may never come: 15 s after the first count, that count is taken).
+async fn first_sync_metric(proxy: Proxy, netns: &str) -> Option<(f64, f64)> {
+    let start = Instant::now();
+    let mut first: Option<(Instant, (f64, f64))> = None;
+    while start.elapsed() < Duration::from_secs(120) {
+        let seen = sys::metrics_in_netns(netns, METRICS_PORT).ok().and_then(|text| {
+            sys::histogram(&text, "kubeproxy_sync_full_proxy_rules_duration_seconds")
+                .or_else(|| sys::histogram(&text, "kubeproxy_sync_proxy_rules_duration_seconds"))
+        });
+        if let Some(h) = seen.filter(|h| h.1 >= 1.0) {
+            let since = first.get_or_insert((Instant::now(), h)).0;
+            if h.1 >= proxy.first_syncs() || since.elapsed() > Duration::from_secs(15) {
+                return Some(h);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    first.map(|f| f.1)
+}
+
+/// Its partial-sync histogram now (sum s, count), or the whole sync histogram's.
+fn partial_metric(netns: &str) -> Option<(f64, f64)> {
+    let text = sys::metrics_in_netns(netns, METRICS_PORT).ok()?;
+    sys::histogram(&text, "kubeproxy_sync_partial_proxy_rules_duration_seconds")
+        .or_else(|| sys::histogram(&text, "kubeproxy_sync_proxy_rules_duration_seconds"))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Waits until `programmed(svc, eps)`, polling every `period`; ms from `since`.
+fn await_change(
+    proxy: Proxy,
+    netns: &str,
+    svc: &BenchSvc,
+    eps: &[Ipv4Addr],
+    since: Instant,
+    period: Duration,
+    spent: &mut (u32, Duration),
+) -> Result<f64> {
+    let limit = Duration::from_secs(120);
+    let polled = tokio::task::block_in_place(|| {
+        poll_until(since, limit, period, || programmed(proxy, netns, svc, eps))
+    })
+    .ok_or_else(|| {
+        Error::Timeout(
+            limit,
+            format!("{}: {} with {eps:?} in the kernel", proxy.label(), svc.name),
+        )
+    })?;
+    spent.0 += polled.checks;
+    spent.1 += polled.spent;
+    Ok(ms(polled.after))
+}
+
+/// `samples` new Services (slice first, then after `gap` the Service: the timed write).
+async fn sample_adds(
+    client: &Client,
+    proxy: Proxy,
+    netns: &str,
+    model: &mut Model,
+    opts: &RunOpts,
+    spent: &mut (u32, Duration),
+) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(opts.samples);
+    for _ in 0..opts.samples {
+        let svc = model.new_added();
+        put_slice(client, &svc).await?;
+        tokio::time::sleep(opts.gap).await;
+        let t = Instant::now();
+        put_service(client, &svc).await?;
+        out.push(await_change(proxy, netns, &svc, &svc.eps, t, opts.period, spent)?);
+    }
+    Ok(out)
+}
+
+/// `samples` endpoint changes: the last endpoint of a Service spread over the row is replaced.
+async fn sample_changes(
+    client: &Client,
+    proxy: Proxy,
+    netns: &str,
+    model: &mut Model,
+    opts: &RunOpts,
+    spent: &mut (u32, Duration),
+) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(opts.samples);
+    let n = model.services.len();
+    for k in 0..opts.samples {
+        let j = (k * 7919 + 13) % n;
+        let new = model.alloc_ep();
+        if let Some(last) = model.services[j].eps.last_mut() {
+            *last = new;
+        }
+        let svc = model.services[j].clone();
+        tokio::time::sleep(opts.gap).await;
+        let t = Instant::now();
+        put_slice(client, &svc).await?;
+        out.push(await_change(proxy, netns, &svc, &[new], t, opts.period, spent)?);
+    }
+    Ok(out)
+}
+
+/// Runs `proxy` once in a fresh node namespace against the loaded API and measures it.
+pub async fn run_proxy(
+    cp: &ControlPlane,
+    client: &Client,
+    model: &mut Model,
+    proxy: Proxy,
+    opts: &RunOpts,
+) -> Result<ProxyRun> {
+    let cluster = Cluster::create(1, 0, cp.port)?;
+    let node = cluster.nodes[0].clone();
+    let _ = agent::create_node(cp, &node).await;
+    if let Mode::Iptables(v) = proxy.mode() {
+        play_kubelet(&node.netns, v)?;
+    }
+    let t0 = Instant::now();
+    let mut running = start_proxy(cp, &node, proxy).await?;
+    let (to_rules, listing_cost, at_sync, pid) = tokio::task::block_in_place(|| {
+        await_all_rules(proxy, &node.netns, &mut running, model, t0, opts.limit)
+    })?;
+    let first_sync = first_sync_metric(proxy, &node.netns).await;
+    let listing = full_listing(proxy, &node.netns)?;
+    let counts = count_objects(&listing, proxy.mode());
+    let found = (
+        coverage(&rules_listing(proxy, &node.netns)?, model),
+        model.expected(),
+    );
+    let probe = &model.services[0];
+    if !programmed(proxy, &node.netns, probe, &probe.eps) {
+        return Err(Error::Prerequisite(format!(
+            "{}: the kernel query for {} does not find it although every rule is listed (names?)",
+            proxy.label(),
+            probe.name
+        )));
+    }
+    let mut spent = (0, Duration::ZERO);
+    let add_ms = sample_adds(client, proxy, &node.netns, model, opts, &mut spent).await?;
+    let (before, partial0) = (sys::usage(pid)?, partial_metric(&node.netns));
+    let change_ms = sample_changes(client, proxy, &node.netns, model, opts, &mut spent).await?;
+    let (after, partial1) = (sys::usage(pid)?, partial_metric(&node.netns));
+    let idle_cpu_s = if opts.idle.is_zero() {
+        None
+    } else {
+        tokio::time::sleep(opts.idle).await;
+        Some(sys::usage(pid)?.cpu_s - after.cpu_s)
+    };
+    let at_end = sys::usage(pid)?;
+    let partial_sync = match (partial0, partial1) {
+        (Some((s0, c0)), Some((s1, c1))) if c1 > c0 => Some(((s1 - s0) / (c1 - c0) * 1000.0, c1 - c0)),
+        _ => None,
+    };
+    drop(running);
+    drop(cluster);
+    delete_added(client, model).await?;
+    Ok(ProxyRun {
+        proxy,
+        to_rules,
+        listing_cost,
+        first_sync,
+        at_sync,
+        change_cpu_ms: (after.cpu_s - before.cpu_s) * 1000.0 / opts.samples.max(1) as f64,
+        add_ms,
+        change_ms,
+        partial_sync,
+        check_ms: ms(spent.1) / f64::from(spent.0.max(1)),
+        counts,
+        found,
+        at_end,
+        idle_cpu_s,
+    })
+}
+
+/// The `p`-quantile (0..=1, nearest rank) of `v`; NaN for none.
+pub fn quantile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((p * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
+}
+
+/// The median of `v` (the middle one of 3); NaN for none.
+pub fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(f64::total_cmp);
+    s[(s.len() - 1) / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_found_in_every_spelling() {
+        let m = Model::new(2, 2);
+        let (a, b) = (&m.services[0], &m.services[1]);
+        let text = format!(
+            "-A X -d {}/32 -j Y\n{} . tcp . 80 : goto c\n--to-destination {}:8080\nendpoint-AB-default/b-1/tcp/http__{}/8080 dnat to {} . 8080",
+            a.cluster_ip, b.cluster_ip, a.eps[0], a.eps[1], b.eps[0]
+        );
+        assert_eq!(coverage(&text, &m), (2, 3));
+    }
+
+    #[test]
+    fn objects_are_counted() {
+        let nft = "table ip t {\n\tmap m {\n\t\ttype ipv4_addr : verdict\n\t\telements = { 1.2.3.4 : drop,\n\t\t\t     1.2.3.5 : drop }\n\t}\n\tchain c {\n\t\ttype nat hook prerouting priority 0; policy accept;\n\t\tip daddr 1.2.3.4 counter comment \"x\"\n\t\tjump d\n\t}\n}\n";
+        let c = count_objects(nft, Mode::Nftables);
+        assert_eq!((c.rules, c.chains, c.elements, c.comments), (2, 1, 2, 1));
+        let ipt = "*nat\n:A - [0:0]\n-A A -m comment --comment \"x\" -j B\n-A A -j C\nCOMMIT\n";
+        let c = count_objects(ipt, Mode::Iptables("nft"));
+        assert_eq!((c.rules, c.chains, c.comments), (2, 1, 1));
+    }
+
+    #[test]
+    fn quantiles_by_nearest_rank() {
+        let v: Vec<f64> = (1..=20).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 10.0);
+        assert_eq!(quantile(&v, 0.99), 20.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+    }
+}
