@@ -18,21 +18,7 @@ use std::{
 };
 
 use crate::model::{Changes, NodeInfo, Protocol, ServicePort, Snapshot, categorize, ports_of};
-
-/// One conntrack entry, as far as the cleanup looks at it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Flow {
-    /// IP protocol number.
-    pub protocol: u8,
-    /// Original destination (the service address the client sent to).
-    pub orig_dst: IpAddr,
-    /// Original destination port.
-    pub orig_dport: u16,
-    /// Reply source (the endpoint, after DNAT; the original destination without DNAT).
-    pub reply_src: IpAddr,
-    /// Reply source port (the endpoint's port).
-    pub reply_sport: u16,
-}
+pub use crate::sys::conntrack::Flow;
 
 /// An endpoint a flow may be DNATed to.
 type Target = (IpAddr, u16);

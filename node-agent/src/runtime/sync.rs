@@ -40,7 +40,12 @@ pub(super) async fn sync(
         let started = Instant::now();
         let r = d.sync(&snap, &changes, full);
         let took = started.elapsed();
-        let unfinished = planned.run(r.is_ok(), crate::sys::conntrack::delete_stale);
+        let unfinished = planned.run(r.is_ok(), |family, cleanup| {
+            if cleanup.is_empty() {
+                return Ok(0);
+            }
+            crate::sys::conntrack::delete_stale(family, &|flow| cleanup.is_stale(flow))
+        });
         (r.map(|stats| Synced { stats, took }), unfinished, snap)
     })
     .await?;

@@ -1,18 +1,83 @@
-//! Conntrack over ctnetlink: dumps the entries of one family and deletes those a
-//! [`crate::conntrack::Cleanup`] marks stale, by echoing each entry's original tuple back in a
-//! delete request.
+//! Conntrack over ctnetlink: the [`Conntrack`] adapter, which dumps the entries of one family and
+//! deletes those a predicate marks stale (by echoing each entry's original tuple back in a delete
+//! request), its kernel implementation ([`KernelConntrack`]) and an in-memory one
+//! ([`FakeConntrack`]). Which flows are stale is decided above this layer (`crate::conntrack`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::{
+    error::{ENOENT, KernelError, KernelResult},
     genl::find_attr,
     netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Transport},
 };
-use crate::{
-    Result,
-    conntrack::{Cleanup, Flow},
-    model::IpFamily,
-};
+use crate::model::IpFamily;
+
+/// One conntrack entry, as far as the cleanup looks at it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flow {
+    /// IP protocol number.
+    pub protocol: u8,
+    /// Original destination (the service address the client sent to).
+    pub orig_dst: IpAddr,
+    /// Original destination port.
+    pub orig_dport: u16,
+    /// Reply source (the endpoint, after DNAT; the original destination without DNAT).
+    pub reply_src: IpAddr,
+    /// Reply source port (the endpoint's port).
+    pub reply_sport: u16,
+}
+
+/// The conntrack table of the network namespace.
+pub trait Conntrack: std::fmt::Debug + Send {
+    /// Deletes every entry of `family` for which `stale` holds; returns how many were deleted.
+    /// Entries that vanish meanwhile are not errors.
+    fn delete_where(&mut self, family: IpFamily, stale: &dyn Fn(&Flow) -> bool) -> KernelResult<usize>;
+}
+
+/// The kernel's conntrack table, over ctnetlink.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KernelConntrack;
+
+impl Conntrack for KernelConntrack {
+    fn delete_where(&mut self, family: IpFamily, stale: &dyn Fn(&Flow) -> bool) -> KernelResult<usize> {
+        delete_stale(family, stale)
+    }
+}
+
+/// A conntrack table in memory.
+#[derive(Debug, Clone, Default)]
+pub struct FakeConntrack {
+    entries: Vec<(IpFamily, Flow)>,
+}
+
+impl FakeConntrack {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an entry.
+    pub fn add(&mut self, family: IpFamily, flow: Flow) {
+        self.entries.push((family, flow));
+    }
+
+    /// The entries of `family`.
+    pub fn entries(&self, family: IpFamily) -> Vec<Flow> {
+        self.entries
+            .iter()
+            .filter(|(f, _)| *f == family)
+            .map(|(_, flow)| *flow)
+            .collect()
+    }
+}
+
+impl Conntrack for FakeConntrack {
+    fn delete_where(&mut self, family: IpFamily, stale: &dyn Fn(&Flow) -> bool) -> KernelResult<usize> {
+        let before = self.entries.len();
+        self.entries.retain(|(f, flow)| *f != family || !stale(flow));
+        Ok(before - self.entries.len())
+    }
+}
 
 const NETLINK_NETFILTER: isize = 12;
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
@@ -70,12 +135,9 @@ pub fn parse_entry(payload: &[u8]) -> Option<(Flow, &[u8])> {
     Some((flow, orig))
 }
 
-/// Deletes every conntrack entry of `family` that `cleanup` marks stale; returns how many were
-/// deleted. Entries that vanish meanwhile (ENOENT) are not errors.
-pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
-    if cleanup.is_empty() {
-        return Ok(0);
-    }
+/// Deletes every conntrack entry of `family` that `stale` marks; returns how many were deleted.
+/// Entries that vanish meanwhile (ENOENT) are not errors.
+pub fn delete_stale(family: IpFamily, stale: &dyn Fn(&Flow) -> bool) -> KernelResult<usize> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
     let header = [family.nfproto(), 0, 0, 0];
     let dump = MessageBuilder::new(kind(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP, 1, &header).finish();
@@ -90,7 +152,7 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
         let Some((flow, orig)) = parse_entry(&reply.payload) else {
             return;
         };
-        if !cleanup.is_stale(&flow) {
+        if !stale(&flow) {
             return;
         }
         let seq = deletes.len() as u32 + 1;
@@ -107,10 +169,7 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
         deletes.push(msg.finish());
     })?;
     if let Some(errno) = dump_error {
-        return Err(crate::Error::Netlink {
-            op: "dump conntrack",
-            source: std::io::Error::from_raw_os_error(-errno),
-        });
+        return Err(KernelError::from_errno("dump conntrack", errno));
     }
     // Each failing delete is answered with its whole request: room for a chunk of them.
     transport.size_buffers(64 << 10, 4 << 20)?;
@@ -123,16 +182,12 @@ pub fn delete_stale(family: IpFamily, cleanup: &Cleanup) -> Result<usize> {
         let answers = transport.request(&chunk.concat(), &seqs)?;
         deleted += answers.iter().filter(|r| r.error == Some(0)).count();
         // ENOENT: the entry expired or was deleted between the dump and the delete.
-        let gone = -(nix::errno::Errno::ENOENT as i32);
         if let Some(errno) = answers
             .iter()
             .filter_map(|r| r.error)
-            .find(|e| *e != 0 && *e != gone)
+            .find(|e| *e != 0 && *e != -ENOENT)
         {
-            return Err(crate::Error::Netlink {
-                op: "delete conntrack entry",
-                source: std::io::Error::from_raw_os_error(-errno),
-            });
+            return Err(KernelError::from_errno("delete conntrack entry", errno));
         }
     }
     Ok(deleted)
@@ -212,5 +267,24 @@ mod tests {
                 "truncated input is skipped, not a panic"
             );
         }
+    }
+
+    #[test]
+    fn the_fake_deletes_only_stale_entries_of_the_family() {
+        let flow = |port| Flow {
+            protocol: 17,
+            orig_dst: "10.96.0.10".parse().expect("ip"),
+            orig_dport: port,
+            reply_src: "10.244.1.1".parse().expect("ip"),
+            reply_sport: port,
+        };
+        let mut ct = FakeConntrack::new();
+        ct.add(IpFamily::V4, flow(53));
+        ct.add(IpFamily::V4, flow(54));
+        ct.add(IpFamily::V6, flow(53));
+        let deleted = ct.delete_where(IpFamily::V4, &|f| f.orig_dport == 53);
+        assert_eq!(deleted.ok(), Some(1));
+        assert_eq!(ct.entries(IpFamily::V4), vec![flow(54)]);
+        assert_eq!(ct.entries(IpFamily::V6), vec![flow(53)]);
     }
 }
