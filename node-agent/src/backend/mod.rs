@@ -301,6 +301,31 @@ pub enum Presence {
 }
 
 /// A service-proxy data plane.
+///
+/// # Guarantees
+/// Every implementation gives these, and the conformance suite (`backend::conformance::suite`)
+/// checks each of them against the backend's fake adapters and against the kernel:
+/// - After `sync` returns `Ok`, the objects it owns equal the render of the snapshot; a partial
+///   sync leaves exactly what a full sync of the same snapshot leaves (*full = partial*).
+/// - After a failed `sync` the next one is full, whatever the caller asks: the caller has drained
+///   its changes already (*failure → full resync*).
+/// - A bypass (`set_bypass(true)`) holds through later partial and full syncs until lifted, and
+///   [`Backend::presence`] reports it (*bypass survives sync*).
+/// - [`Backend::verify`] finds no drift right after a successful sync (*verify empty after sync*).
+/// - `cleanup` removes every object the backend owns and is idempotent (*cleanup twice leaves
+///   nothing*), succeeds when nothing was programmed (*cleanup before sync*), and goes on after a
+///   failing part (an IP family, a table), returning every failure ([`BackendError::Many`] for
+///   several; *cleanup collects every error*).
+///
+/// # Assumptions
+/// - The backend is the only writer of the objects it owns (see the module docs for which those
+///   are); other components' objects are never touched and may change at any time.
+/// - `sync` gets the whole current snapshot every time; `changes` names every service changed
+///   since the last *successful* sync (a superset is fine), and is ignored on full syncs.
+/// - Calls are serialised (`&mut self`) and made from threads in the network namespace the
+///   backend programs.
+/// - `cleanup` may be called at any time, also when `sync` never ran or a previous agent
+///   programmed the kernel (it reads the kernel, not its memory).
 pub trait Backend: Send {
     /// The mode this backend implements.
     fn mode(&self) -> switchyard_crds::v1alpha1::ProxyMode;
