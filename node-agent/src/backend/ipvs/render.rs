@@ -588,6 +588,7 @@ fn set<'a>(d: &'a mut Desired, name: &str) -> &'a mut BTreeSet<String> {
         .entries
 }
 
+/// Renders one service port into `d`: its virtual servers, bound addresses and set entries.
 fn render_service(
     sp: &ServicePort,
     eps: &[Endpoint],
@@ -599,24 +600,74 @@ fn render_service(
     let IpAddr::V4(cluster_ip) = sp.cluster_ip else {
         return;
     };
-    let (external_ips, load_balancer_ips) = (ipv4s(&sp.external_ips), ipv4s(&sp.load_balancer_ips));
+    let dest = Destinations {
+        cluster_ip,
+        external_ips: ipv4s(&sp.external_ips),
+        load_balancer_ips: ipv4s(&sp.load_balancer_ips),
+    };
+    add_virtual_servers(sp, eps, settings, &dest, node_port_ips, d);
+    add_cluster_ip(sp, cluster_ip, d);
+    add_external_ips(sp, settings, &dest.external_ips, d);
+    add_load_balancer_ips(sp, settings, &dest.load_balancer_ips, d);
+    if let Some(np) = sp.node_port {
+        add_node_port(sp, np, node_port_ips, d);
+    }
+    if let Some(hc) = sp.health_check_node_port {
+        set(d, HEALTH_CHECK_NODE_PORT).insert(hc.to_string());
+    }
+    let p = sp.name.protocol.as_str();
+    for ep in &categorize(eps, &settings.node).local {
+        set(d, LOOP_BACK).insert(format!("{},{p}:{},{}", ep.ip, ep.port, ep.ip));
+    }
+}
+
+/// The IPv4 destinations of a service port.
+struct Destinations {
+    cluster_ip: Ipv4Addr,
+    external_ips: Vec<Ipv4Addr>,
+    load_balancer_ips: Vec<Ipv4Addr>,
+}
+
+/// One virtual server per destination: the ClusterIP with the internal policy's endpoints,
+/// external IPs, load-balancer IPs and node addresses + NodePort with the external policy's.
+fn add_virtual_servers(
+    sp: &ServicePort,
+    eps: &[Endpoint],
+    settings: &Settings,
+    dest: &Destinations,
+    node_port_ips: &[Ipv4Addr],
+    d: &mut Desired,
+) {
     let cat = categorize(eps, &settings.node);
     let to_reals = |list: &[&Endpoint]| -> BTreeSet<(Ipv4Addr, u16)> {
         list.iter().filter_map(|e| Some((ipv4(&e.ip)?, e.port))).collect()
     };
-    let internal = to_reals(if sp.internal_policy_local {
-        &cat.local
-    } else {
-        &cat.cluster
-    });
-    let external = to_reals(if sp.external_policy_local {
-        &cat.local
-    } else {
-        &cat.cluster
-    });
-    let proto = sp.name.protocol;
-    let p = proto.as_str();
-    let port = sp.port;
+    let policy = |local: bool| to_reals(if local { &cat.local } else { &cat.cluster });
+    let internal = policy(sp.internal_policy_local);
+    let external = policy(sp.external_policy_local);
+    let mut vs = |addr: Ipv4Addr, port: u16, reals: &BTreeSet<(Ipv4Addr, u16)>| {
+        let service = ipvs_service(sp, settings, addr, port);
+        let reals = reals.clone();
+        d.virtual_servers
+            .insert(service.addr, VirtualServer { service, reals });
+    };
+    vs(dest.cluster_ip, sp.port, &internal);
+    for ip in &dest.external_ips {
+        vs(*ip, sp.port, &external);
+    }
+    for ip in &dest.load_balancer_ips {
+        vs(*ip, sp.port, &external);
+    }
+    if let Some(np) = sp.node_port {
+        for ip in node_port_ips {
+            vs(*ip, np, &external);
+        }
+    }
+}
+
+/// The IPVS service of `sp` on `addr:port`: the settings' scheduler (`mh` with its
+/// `mh-port` flag), persistent with the timeout for ClientIP affinity.
+fn ipvs_service(sp: &ServicePort, settings: &Settings, addr: Ipv4Addr, port: u16) -> ipvs::Service {
     let scheduler = settings.ipvs.scheduler.clone();
     let mut flags = 0;
     if scheduler == "mh" {
@@ -629,56 +680,48 @@ fn render_service(
         }
         None => 0,
     };
-    let node_addrs = &settings.node.addresses;
-    let mut vs = |addr: Ipv4Addr, port: u16, reals: &BTreeSet<(Ipv4Addr, u16)>| {
-        let key = VirtualAddr {
-            protocol: proto,
+    ipvs::Service {
+        addr: VirtualAddr {
+            protocol: sp.name.protocol,
             addr: IpAddr::V4(addr),
             port,
-        };
-        let service = ipvs::Service {
-            addr: key,
-            scheduler: scheduler.clone(),
-            flags,
-            timeout,
-        };
-        d.virtual_servers.insert(
-            key,
-            VirtualServer {
-                service,
-                reals: reals.clone(),
-            },
-        );
-    };
+        },
+        scheduler,
+        flags,
+        timeout,
+    }
+}
 
-    vs(cluster_ip, port, &internal);
-    for ip in &external_ips {
-        vs(*ip, port, &external);
-    }
-    for ip in &load_balancer_ips {
-        vs(*ip, port, &external);
-    }
-    if let Some(np) = sp.node_port {
-        for ip in node_port_ips {
-            vs(*ip, np, &external);
-        }
-    }
-
+/// The ClusterIP: bound, and in the set of cluster IPs.
+fn add_cluster_ip(sp: &ServicePort, cluster_ip: Ipv4Addr, d: &mut Desired) {
     d.bind.insert(cluster_ip);
+    let (p, port) = (sp.name.protocol.as_str(), sp.port);
     set(d, CLUSTER_IP).insert(format!("{cluster_ip},{p}:{port}"));
-    for ip in &external_ips {
-        if !node_addrs.contains(&IpAddr::V4(*ip)) {
+}
+
+/// External IPs: bound unless they are node addresses, and in the external-IP set of their
+/// policy.
+fn add_external_ips(sp: &ServicePort, settings: &Settings, ips: &[Ipv4Addr], d: &mut Desired) {
+    let (p, port) = (sp.name.protocol.as_str(), sp.port);
+    let name = if sp.external_policy_local {
+        EXTERNAL_IP_LOCAL
+    } else {
+        EXTERNAL_IP
+    };
+    for ip in ips {
+        if !settings.node.addresses.contains(&IpAddr::V4(*ip)) {
             d.bind.insert(*ip);
         }
-        let name = if sp.external_policy_local {
-            EXTERNAL_IP_LOCAL
-        } else {
-            EXTERNAL_IP
-        };
         set(d, name).insert(format!("{ip},{p}:{port}"));
     }
-    for ip in &load_balancer_ips {
-        if !node_addrs.contains(&IpAddr::V4(*ip)) {
+}
+
+/// Load-balancer IPs: bound unless they are node addresses, in the load-balancer sets (Local
+/// policy, source ranges) and with their allowed source ranges.
+fn add_load_balancer_ips(sp: &ServicePort, settings: &Settings, ips: &[Ipv4Addr], d: &mut Desired) {
+    let (p, port) = (sp.name.protocol.as_str(), sp.port);
+    for ip in ips {
+        if !settings.node.addresses.contains(&IpAddr::V4(*ip)) {
             d.bind.insert(*ip);
         }
         let entry = format!("{ip},{p}:{port}");
@@ -693,43 +736,51 @@ fn render_service(
             }
         }
     }
-    if let Some(np) = sp.node_port {
-        let local = sp.external_policy_local;
-        match proto {
-            Protocol::Tcp | Protocol::Udp => {
-                let (all, loc) = if proto == Protocol::Tcp {
-                    (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP)
-                } else {
-                    (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP)
-                };
-                set(d, all).insert(np.to_string());
-                if local {
-                    set(d, loc).insert(np.to_string());
-                }
+}
+
+/// The NodePort in the node-port sets: bitmaps of ports for TCP and UDP, `nodeIP,sctp:port`
+/// hashes for SCTP; the `-LOCAL` ones too with a Local policy.
+fn add_node_port(sp: &ServicePort, np: u16, node_port_ips: &[Ipv4Addr], d: &mut Desired) {
+    let local = sp.external_policy_local;
+    let proto = sp.name.protocol;
+    match proto {
+        Protocol::Tcp | Protocol::Udp => {
+            let (all, loc) = if proto == Protocol::Tcp {
+                (NODE_PORT_TCP, NODE_PORT_LOCAL_TCP)
+            } else {
+                (NODE_PORT_UDP, NODE_PORT_LOCAL_UDP)
+            };
+            set(d, all).insert(np.to_string());
+            if local {
+                set(d, loc).insert(np.to_string());
             }
-            Protocol::Sctp => {
-                for ip in node_port_ips {
-                    set(d, NODE_PORT_SCTP).insert(format!("{ip},sctp:{np}"));
-                    if local {
-                        set(d, NODE_PORT_LOCAL_SCTP).insert(format!("{ip},sctp:{np}"));
-                    }
+        }
+        Protocol::Sctp => {
+            for ip in node_port_ips {
+                set(d, NODE_PORT_SCTP).insert(format!("{ip},sctp:{np}"));
+                if local {
+                    set(d, NODE_PORT_LOCAL_SCTP).insert(format!("{ip},sctp:{np}"));
                 }
             }
         }
-    }
-    if let Some(hc) = sp.health_check_node_port {
-        set(d, HEALTH_CHECK_NODE_PORT).insert(hc.to_string());
-    }
-    for ep in &cat.local {
-        set(d, LOOP_BACK).insert(format!("{},{p}:{},{}", ep.ip, ep.port, ep.ip));
     }
 }
 
 /// The fixed iptables rules; they only reference sets, so they do not depend on the services.
 fn rules(d: &mut Desired, settings: &Settings) {
     let mark = settings.masquerade_mark;
-    let (nat, filter) = (&mut d.nat, &mut d.filter);
+    services_rules(&mut d.nat, settings);
+    masquerade_rules(&mut d.nat, mark);
+    for rule in forward_rules(mark) {
+        d.filter.add(FORWARD, rule);
+    }
+    filter_rules(&mut d.filter);
+    bypass_rules(&mut d.filter, settings);
+}
 
+/// nat `SWY-IPVS-SERVICES`: masquerade marks for cluster and external IPs, load balancers and
+/// node ports to their chains, and accept the rest of the service traffic for IPVS.
+fn services_rules(nat: &mut Chains, settings: &Settings) {
     nat.add(SERVICES, "-s 127.0.0.0/8 -j RETURN");
     let cluster_masq = format!(
         "{} -m set --match-set {CLUSTER_IP} dst,dst -j {MARK_MASQ}",
@@ -737,7 +788,7 @@ fn rules(d: &mut Desired, settings: &Settings) {
     );
     if settings.masquerade_all {
         nat.add(SERVICES, cluster_masq);
-    } else if let Some(cidr) = settings.cluster_cidr(crate::model::IpFamily::V4) {
+    } else if let Some(cidr) = settings.cluster_cidr(IpFamily::V4) {
         nat.add(SERVICES, format!("! -s {} {cluster_masq}", cidr.trunc()));
     }
     nat.add(
@@ -767,6 +818,11 @@ fn rules(d: &mut Desired, settings: &Settings) {
         format!("-m set --match-set {CLUSTER_IP} dst,dst -j ACCEPT"),
     );
     nat.add(SERVICES, format!("-m set --match-set {LB} dst,dst -j ACCEPT"));
+}
+
+/// nat: load balancers and node ports are marked for masquerade unless their policy is
+/// Local; the mark itself; the hairpin and marked-traffic masquerade in postrouting.
+fn masquerade_rules(nat: &mut Chains, mark: u32) {
     nat.add(
         LOAD_BALANCER,
         format!("-m set --match-set {LB_LOCAL} dst,dst -j RETURN"),
@@ -804,10 +860,11 @@ fn rules(d: &mut Desired, settings: &Settings) {
     for rule in postrouting_rules(mark) {
         nat.add(POSTROUTING, rule);
     }
+}
 
-    for rule in forward_rules(mark) {
-        filter.add(FORWARD, rule);
-    }
+/// filter: health-check node ports accepted, load-balancer source ranges, and new
+/// connections to service addresses on non-service ports rejected.
+fn filter_rules(filter: &mut Chains) {
     filter.add(
         NODE_PORT,
         format!(
@@ -841,7 +898,10 @@ fn rules(d: &mut Desired, settings: &Settings) {
             comment("switchyard service addresses on non-service ports")
         ),
     );
+}
 
+/// filter [`BYPASS`]: rejects new connections to every IPVS destination.
+fn bypass_rules(filter: &mut Chains, settings: &Settings) {
     // The bypass: only new connections are refused, so connections IPVS already serves keep
     // reaching it (their addresses stay bound) until the backend is cleaned up.
     let reject = format!(
