@@ -143,6 +143,28 @@ fn v6(text: String) -> Result<Ipv6Addr> {
         .map_err(|_| Error::Prerequisite(format!("not an IPv6 address: {text}")))
 }
 
+/// Node `i`'s pod bridge `cbr0` with the pod gateways `10.244.i.1` and `fd00:10:244:i::1`
+/// (returned), and forwarding on in both families.
+fn add_pod_bridge(netns: &str, i: usize) -> Result<Ipv6Addr> {
+    ip_in(
+        netns,
+        &["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"],
+    )?;
+    ip_in(
+        netns,
+        &["addr", "add", &format!("10.244.{i}.1/24"), "dev", "cbr0"],
+    )?;
+    let gateway6 = v6(format!("fd00:10:244:{i}::1"))?;
+    ip6_in(
+        netns,
+        &["addr", "add", &format!("{gateway6}/64"), "dev", "cbr0", "nodad"],
+    )?;
+    ip_in(netns, &["link", "set", "cbr0", "up"])?;
+    sysctl_in(netns, "net.ipv4.ip_forward", "1")?;
+    sysctl_in(netns, "net.ipv6.conf.all.forwarding", "1")?;
+    Ok(gateway6)
+}
+
 impl Cluster {
     /// Creates `nodes` node namespaces with `pods_per_node` pods each, and forwards the fabric's
     /// apiserver address to `apiserver_port` on the root namespace's loopback.
@@ -151,6 +173,7 @@ impl Cluster {
         let (pid, seq) = sweep::next_id();
         let prefix = format!("{}{pid}x{seq}", sweep::PREFIX);
         let fabric = format!("{prefix}-fabric");
+        // Made before any namespace, so that dropping it on an error deletes what exists.
         let mut cluster = Cluster {
             fabric: fabric.clone(),
             nodes: Vec::new(),
@@ -158,7 +181,20 @@ impl Cluster {
             stop: Arc::new(AtomicBool::new(false)),
             forwarder: None,
         };
-        cluster.add_netns(&fabric)?;
+        cluster.add_fabric()?;
+        for i in 1..=nodes {
+            let node = cluster.add_node(&prefix, i, pods_per_node)?;
+            cluster.nodes.push(node);
+        }
+        cluster.add_host_gw_routes()?;
+        cluster.start_forwarder(apiserver_port)?;
+        Ok(cluster)
+    }
+
+    /// The fabric namespace: bridge `br0` with the fabric addresses, forwarding both families.
+    fn add_fabric(&mut self) -> Result<()> {
+        let fabric = self.fabric.clone();
+        self.add_netns(&fabric)?;
         ip_in(
             &fabric,
             &["link", "add", "br0", "type", "bridge", "mcast_snooping", "0"],
@@ -180,139 +216,125 @@ impl Cluster {
         ip_in(&fabric, &["link", "set", "br0", "up"])?;
         sysctl_in(&fabric, "net.ipv4.ip_forward", "1")?;
         sysctl_in(&fabric, "net.ipv6.conf.all.forwarding", "1")?;
+        Ok(())
+    }
 
-        for i in 1..=nodes {
-            let name = format!("node-{i}");
-            let netns = format!("{prefix}-{name}");
-            let ip = Ipv4Addr::new(10, 250, 0, 10 + i as u8);
-            let ip6 = v6(format!("fd00:10:250::{}", 10 + i))?;
-            cluster.add_netns(&netns)?;
-            ip_in(
-                &fabric,
-                &[
-                    "link",
-                    "add",
-                    &format!("n{i}"),
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    "eth0",
-                    "netns",
-                    &netns,
-                ],
-            )?;
-            ip_in(&fabric, &["link", "set", &format!("n{i}"), "master", "br0", "up"])?;
-            ip_in(&netns, &["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
-            ip6_in(
-                &netns,
-                &["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"],
-            )?;
-            ip_in(&netns, &["link", "set", "eth0", "up"])?;
-            ip_in(
-                &netns,
-                &[
-                    "route",
-                    "add",
-                    "default",
-                    "via",
-                    &controlplane::ADVERTISE_ADDRESS.to_string(),
-                ],
-            )?;
-            ip6_in(
-                &netns,
-                &["route", "add", "default", "via", &FABRIC_IP6.to_string()],
-            )?;
-            ip_in(
-                &netns,
-                &["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"],
-            )?;
-            ip_in(
-                &netns,
-                &["addr", "add", &format!("10.244.{i}.1/24"), "dev", "cbr0"],
-            )?;
-            let gateway6 = v6(format!("fd00:10:244:{i}::1"))?;
-            ip6_in(
-                &netns,
-                &["addr", "add", &format!("{gateway6}/64"), "dev", "cbr0", "nodad"],
-            )?;
-            ip_in(&netns, &["link", "set", "cbr0", "up"])?;
-            sysctl_in(&netns, "net.ipv4.ip_forward", "1")?;
-            sysctl_in(&netns, "net.ipv6.conf.all.forwarding", "1")?;
-            let pod_cidr = format!("10.244.{i}.0/24");
-            let pod_cidr6 = format!("fd00:10:244:{i}::/64");
-            ip_in(&fabric, &["route", "add", &pod_cidr, "via", &ip.to_string()])?;
-            ip6_in(&fabric, &["route", "add", &pod_cidr6, "via", &ip6.to_string()])?;
-            let mut node = Node {
-                name,
-                netns: netns.clone(),
-                ip,
-                ip6,
-                pod_cidr,
-                pod_cidr6,
-                pods: Vec::new(),
-            };
-            for k in 1..=pods_per_node {
-                let pod_ns = format!("{netns}-p{k}");
-                let pod_ip = Ipv4Addr::new(10, 244, i as u8, 10 + k as u8);
-                let pod_ip6 = v6(format!("fd00:10:244:{i}::{}", 10 + k))?;
-                cluster.add_netns(&pod_ns)?;
-                ip_in(
-                    &netns,
-                    &[
-                        "link",
-                        "add",
-                        &format!("p{k}"),
-                        "type",
-                        "veth",
-                        "peer",
-                        "name",
-                        "eth0",
-                        "netns",
-                        &pod_ns,
-                    ],
-                )?;
-                ip_in(&netns, &["link", "set", &format!("p{k}"), "master", "cbr0", "up"])?;
-                // As CNI bridge plugins do (hairpinMode): with br_netfilter, a pod reaching itself
-                // through a Service is bridged back out of the port it came in on.
-                ip_in(
-                    &netns,
-                    &[
-                        "link",
-                        "set",
-                        &format!("p{k}"),
-                        "type",
-                        "bridge_slave",
-                        "hairpin",
-                        "on",
-                    ],
-                )?;
-                ip_in(&pod_ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
-                ip6_in(
-                    &pod_ns,
-                    &["addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"],
-                )?;
-                ip_in(&pod_ns, &["link", "set", "eth0", "up"])?;
-                ip_in(
-                    &pod_ns,
-                    &["route", "add", "default", "via", &format!("10.244.{i}.1")],
-                )?;
-                ip6_in(
-                    &pod_ns,
-                    &["route", "add", "default", "via", &gateway6.to_string()],
-                )?;
-                node.pods.push(Pod {
-                    name: format!("{}-pod-{k}", node.name),
-                    netns: pod_ns,
-                    ip: pod_ip,
-                    ip6: pod_ip6,
-                });
-            }
-            cluster.nodes.push(node);
+    /// Node `i`: its namespace on the fabric, its pod bridge, the fabric's routes to its pod
+    /// CIDRs, and its pods.
+    fn add_node(&mut self, prefix: &str, i: usize, pods_per_node: usize) -> Result<Node> {
+        let name = format!("node-{i}");
+        let netns = format!("{prefix}-{name}");
+        let ip = Ipv4Addr::new(10, 250, 0, 10 + i as u8);
+        let ip6 = v6(format!("fd00:10:250::{}", 10 + i))?;
+        self.add_netns(&netns)?;
+        self.attach_node_to_fabric(&netns, i, ip, ip6)?;
+        let gateway6 = add_pod_bridge(&netns, i)?;
+        let pod_cidr = format!("10.244.{i}.0/24");
+        let pod_cidr6 = format!("fd00:10:244:{i}::/64");
+        ip_in(&self.fabric, &["route", "add", &pod_cidr, "via", &ip.to_string()])?;
+        ip6_in(
+            &self.fabric,
+            &["route", "add", &pod_cidr6, "via", &ip6.to_string()],
+        )?;
+        let mut node = Node {
+            name,
+            netns,
+            ip,
+            ip6,
+            pod_cidr,
+            pod_cidr6,
+            pods: Vec::new(),
+        };
+        for k in 1..=pods_per_node {
+            let pod = self.add_pod(&node, i, k, gateway6)?;
+            node.pods.push(pod);
         }
-        // host-gw routes between nodes.
-        for a in &cluster.nodes {
-            for b in cluster.nodes.iter().filter(|b| b.name != a.name) {
+        Ok(node)
+    }
+
+    /// The node's `eth0`: a veth to the fabric bridge with the node addresses and default
+    /// routes via the fabric.
+    fn attach_node_to_fabric(&self, netns: &str, i: usize, ip: Ipv4Addr, ip6: Ipv6Addr) -> Result<()> {
+        let fabric = &self.fabric;
+        let port = format!("n{i}");
+        ip_in(
+            fabric,
+            &[
+                "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", netns,
+            ],
+        )?;
+        ip_in(fabric, &["link", "set", &port, "master", "br0", "up"])?;
+        ip_in(netns, &["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        ip6_in(
+            netns,
+            &["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"],
+        )?;
+        ip_in(netns, &["link", "set", "eth0", "up"])?;
+        ip_in(
+            netns,
+            &[
+                "route",
+                "add",
+                "default",
+                "via",
+                &controlplane::ADVERTISE_ADDRESS.to_string(),
+            ],
+        )?;
+        ip6_in(
+            netns,
+            &["route", "add", "default", "via", &FABRIC_IP6.to_string()],
+        )?;
+        Ok(())
+    }
+
+    /// Pod `k` of node `i`: a veth to the node's pod bridge (hairpin on) with the pod addresses
+    /// and default routes via the bridge.
+    fn add_pod(&mut self, node: &Node, i: usize, k: usize, gateway6: Ipv6Addr) -> Result<Pod> {
+        let netns = &node.netns;
+        let pod_ns = format!("{netns}-p{k}");
+        let pod_ip = Ipv4Addr::new(10, 244, i as u8, 10 + k as u8);
+        let pod_ip6 = v6(format!("fd00:10:244:{i}::{}", 10 + k))?;
+        self.add_netns(&pod_ns)?;
+        let port = format!("p{k}");
+        ip_in(
+            netns,
+            &[
+                "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &pod_ns,
+            ],
+        )?;
+        ip_in(netns, &["link", "set", &port, "master", "cbr0", "up"])?;
+        // As CNI bridge plugins do (hairpinMode): with br_netfilter, a pod reaching itself
+        // through a Service is bridged back out of the port it came in on.
+        ip_in(
+            netns,
+            &["link", "set", &port, "type", "bridge_slave", "hairpin", "on"],
+        )?;
+        ip_in(&pod_ns, &["addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+        ip6_in(
+            &pod_ns,
+            &["addr", "add", &format!("{pod_ip6}/64"), "dev", "eth0", "nodad"],
+        )?;
+        ip_in(&pod_ns, &["link", "set", "eth0", "up"])?;
+        ip_in(
+            &pod_ns,
+            &["route", "add", "default", "via", &format!("10.244.{i}.1")],
+        )?;
+        ip6_in(
+            &pod_ns,
+            &["route", "add", "default", "via", &gateway6.to_string()],
+        )?;
+        Ok(Pod {
+            name: format!("{}-pod-{k}", node.name),
+            netns: pod_ns,
+            ip: pod_ip,
+            ip6: pod_ip6,
+        })
+    }
+
+    /// host-gw routes between nodes: each node reaches the others' pod CIDRs via their node IPs.
+    fn add_host_gw_routes(&self) -> Result<()> {
+        for a in &self.nodes {
+            for b in self.nodes.iter().filter(|b| b.name != a.name) {
                 ip_in(&a.netns, &["route", "add", &b.pod_cidr, "via", &b.ip.to_string()])?;
                 ip6_in(
                     &a.netns,
@@ -320,8 +342,7 @@ impl Cluster {
                 )?;
             }
         }
-        cluster.start_forwarder(apiserver_port)?;
-        Ok(cluster)
+        Ok(())
     }
 
     fn add_netns(&mut self, name: &str) -> Result<()> {
