@@ -194,13 +194,24 @@ impl KubeletNode {
         self.dir.join("containerd.sock")
     }
 
+    /// Writes the node's configuration: the sysctls the holder fakes, containerd's, the CNI
+    /// network's, the kubelet's credentials and kubeconfig, and the kubelet's.
     fn write_configs(&self, cp: &ControlPlane, node: &netns::Node) -> Result<()> {
-        let d = self.d();
         let wanted: String = KUBELET_SYSCTLS
             .iter()
             .map(|(k, v)| format!("{k} {v}\n"))
             .collect();
         write(&self.dir.join("sysctl/wanted"), &wanted)?;
+        self.write_containerd_config()?;
+        self.write_cni_config(node)?;
+        self.write_kubelet_credentials(cp)?;
+        self.write_kubelet_config(cp)
+    }
+
+    /// containerd's configuration: everything under the node directory (no host-wide socket or
+    /// state), CRI with runc and the CNI configuration of [`Self::write_cni_config`].
+    fn write_containerd_config(&self) -> Result<()> {
+        let d = self.d();
         let containerd = format!(
             r#"version = 4
 root = "{d}/containerd/root"
@@ -248,7 +259,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 "#,
             pause = images::PAUSE_IMAGE,
         );
-        write(&self.dir.join("containerd.toml"), &containerd)?;
+        write(&self.dir.join("containerd.toml"), &containerd)
+    }
+
+    /// The CNI network: the bridge plugin on `cbr0`, host-local IPAM from the node's pod CIDRs
+    /// above `.100` (the harness's own pod namespaces are at `.11`...).
+    fn write_cni_config(&self, node: &netns::Node) -> Result<()> {
+        let d = self.d();
         let (p4, p6) = (v4_prefix(&node.pod_cidr)?, v6_prefix(&node.pod_cidr6)?);
         let cni = serde_json::json!({
             "cniVersion": "1.0.0",
@@ -270,8 +287,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                 },
             }],
         });
-        write(&self.dir.join("cni/net.d/10-swyt.conflist"), &cni.to_string())?;
+        write(&self.dir.join("cni/net.d/10-swyt.conflist"), &cni.to_string())
+    }
 
+    /// The kubelet's client certificate (`system:node:<name>` in `system:nodes`) and its
+    /// kubeconfig for the apiserver's fabric address.
+    fn write_kubelet_credentials(&self, cp: &ControlPlane) -> Result<()> {
         let (cert, key) = cp
             .pki()
             .client_cert(&format!("system:node:{}", self.name), Some("system:nodes"))?;
@@ -287,6 +308,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         )?;
         std::fs::rename(&kubeconfig, self.dir.join("kubelet.kubeconfig"))
             .map_err(io_err("move kubeconfig"))?;
+        Ok(())
+    }
+
+    /// The KubeletConfiguration: cgroupfs below the node's cgroup, containerd's socket, no
+    /// evictions or image GC, logs and volume plugins in the node directory.
+    fn write_kubelet_config(&self, cp: &ControlPlane) -> Result<()> {
+        let d = self.d();
         let kubelet = format!(
             r#"apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -329,8 +357,7 @@ registerNode: true
             cgroup = self.cgroup,
             cp = cp.dir().display(),
         );
-        write(&self.dir.join("kubelet.yaml"), &kubelet)?;
-        Ok(())
+        write(&self.dir.join("kubelet.yaml"), &kubelet)
     }
 
     /// Creates `/<cgroup>` in every cgroup v1 hierarchy (the kubelet requires its `cgroupRoot` to
