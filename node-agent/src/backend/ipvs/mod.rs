@@ -521,7 +521,13 @@ impl IpvsBackend {
             }
         }
 
-        // iptables: our chains with their rule counts, and the jump rules of the bypass state.
+        self.iptables_drift(&mut drift)?;
+        self.ipvs_drift(&mut drift, &linked)?;
+        Ok(drift)
+    }
+
+    /// Drift of our iptables chains (their rule counts) and of the jump rules of the bypass state.
+    fn iptables_drift(&self, drift: &mut Vec<String>) -> Result<(), BackendError> {
         for table in [Table::Filter, Table::Nat] {
             let nat = table == Table::Nat;
             let save = self.ipt.save(table).map_err(ipt_err)?;
@@ -552,14 +558,22 @@ impl IpvsBackend {
             }
         }
 
-        // IPVS: our virtual servers and their real servers.
+        Ok(())
+    }
+
+    /// Drift of our virtual servers and their real servers.
+    fn ipvs_drift(
+        &self,
+        drift: &mut Vec<String>,
+        linked: &BTreeSet<std::net::Ipv4Addr>,
+    ) -> Result<(), BackendError> {
         let mut ipvs = Ipvs::open()?;
         let node_ips = self.node_port_ips.clone();
         let empty = Desired::default();
         let mut kernel = BTreeMap::new();
         for (key, svc) in ipvs.services()? {
             if let (ServiceKey::Addr(v), Some(svc)) = (key, svc)
-                && self.owns(&v, &empty, &linked, &node_ips)
+                && self.owns(&v, &empty, linked, &node_ips)
             {
                 kernel.insert(v, svc);
             }
@@ -591,13 +605,13 @@ impl IpvsBackend {
                 .map(|d| (d.addr, d.port, d.weight))
                 .collect();
             diff_sets(
-                &mut drift,
+                drift,
                 &format!("real server (addr, port, weight) of {key:?}"),
                 &want,
                 &have,
             );
         }
-        Ok(drift)
+        Ok(())
     }
 
     fn cleanup_iptables(&self) -> Result<(), BackendError> {

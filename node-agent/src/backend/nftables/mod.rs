@@ -117,6 +117,43 @@ fn base(settings: &Settings, family: IpFamily, bypassed: bool) -> ir::Ruleset {
     base
 }
 
+/// The elements of a full sync per (set, key), with how many fragments want each.
+fn desired_elements(
+    base: &ir::Ruleset,
+    fragments: &BTreeMap<ServicePortName, Fragment>,
+) -> HashMap<(&'static str, Key), (Element, usize)> {
+    let mut elements: HashMap<(&'static str, Key), (Element, usize)> = HashMap::new();
+    for (set, list) in &base.elements {
+        let set = if set == render::sets::NODEPORT_IPS {
+            render::sets::NODEPORT_IPS
+        } else {
+            continue;
+        };
+        for e in list {
+            elements.insert((set, e.key.clone()), (e.clone(), 1));
+        }
+    }
+    for (set, e) in fragments.values().flat_map(|f| f.elements.iter()) {
+        elements
+            .entry((*set, e.key.clone()))
+            .and_modify(|(_, n)| *n += 1)
+            .or_insert_with(|| (e.clone(), 1));
+    }
+    elements
+}
+
+/// Adds `elements` to `batch`, set by set, each set's sorted.
+fn add_elements(batch: &mut Batch, elements: &HashMap<(&'static str, Key), (Element, usize)>) {
+    let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<&Element>> = BTreeMap::new();
+    for ((set, key), (e, _)) in elements {
+        by_set.entry(render::element_set(set, key)).or_default().push(e);
+    }
+    for (set, list) in &mut by_set {
+        list.sort();
+        batch.elements(set, list, true);
+    }
+}
+
 impl Table {
     fn new(family: IpFamily) -> Self {
         Self {
@@ -235,31 +272,8 @@ impl Table {
                 batch.add_rule(&chain.name, rule);
             }
         }
-        let mut elements: HashMap<(&'static str, Key), (Element, usize)> = HashMap::new();
-        for (set, list) in &base.elements {
-            let set = if set == render::sets::NODEPORT_IPS {
-                render::sets::NODEPORT_IPS
-            } else {
-                continue;
-            };
-            for e in list {
-                elements.insert((set, e.key.clone()), (e.clone(), 1));
-            }
-        }
-        for (set, e) in fragments.values().flat_map(|f| f.elements.iter()) {
-            elements
-                .entry((*set, e.key.clone()))
-                .and_modify(|(_, n)| *n += 1)
-                .or_insert_with(|| (e.clone(), 1));
-        }
-        let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<&Element>> = BTreeMap::new();
-        for ((set, key), (e, _)) in &elements {
-            by_set.entry(render::element_set(set, key)).or_default().push(e);
-        }
-        for (set, list) in &mut by_set {
-            list.sort();
-            batch.elements(set, list, true);
-        }
+        let elements = desired_elements(&base, &fragments);
+        add_elements(&mut batch, &elements);
         let stale_chains: BTreeSet<String> = existing_chains.difference(&desired_chains).cloned().collect();
         for c in &stale_chains {
             batch.flush_chain(c);
@@ -331,6 +345,62 @@ impl Table {
             .collect()
     }
 
+    /// Element reference counting: deletes what nobody wants any more, adds what is new or changed.
+    fn element_changes(
+        &mut self,
+        batch: &mut Batch,
+        removed: &[Fragment],
+        added: &BTreeMap<ServicePortName, Fragment>,
+    ) {
+        let mut deletes: Vec<(&'static str, Element)> = Vec::new();
+        let mut adds: Vec<(&'static str, Element)> = Vec::new();
+        for (set, e) in removed.iter().flat_map(|f| f.elements.iter()) {
+            if let Some(entry) = self.elements.get_mut(&(*set, e.key.clone())) {
+                entry.1 -= 1;
+            }
+        }
+        for (set, e) in added.values().flat_map(|f| f.elements.iter()) {
+            match self.elements.get_mut(&(*set, e.key.clone())) {
+                // In the kernel already (possibly released by this sync and wanted again).
+                Some(entry) if entry.0 == *e => entry.1 += 1,
+                Some(entry) => {
+                    deletes.push((set, entry.0.clone()));
+                    adds.push((set, e.clone()));
+                    entry.0 = e.clone();
+                    entry.1 += 1;
+                }
+                None => {
+                    adds.push((set, e.clone()));
+                    self.elements.insert((*set, e.key.clone()), (e.clone(), 1));
+                }
+            }
+        }
+        for (set, e) in removed.iter().flat_map(|f| f.elements.iter()) {
+            let key = (*set, e.key.clone());
+            if self.elements.get(&key).is_some_and(|(_, n)| *n == 0)
+                && let Some((old, _)) = self.elements.remove(&key)
+            {
+                deletes.push((set, old));
+            }
+        }
+        let group = |list: &[(&'static str, Element)]| {
+            let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<Element>> = BTreeMap::new();
+            for (s, e) in list {
+                by_set
+                    .entry(render::element_set(s, &e.key))
+                    .or_default()
+                    .push(e.clone());
+            }
+            by_set
+        };
+        for (set, list) in group(&deletes) {
+            batch.elements(&set, &list.iter().collect::<Vec<_>>(), false);
+        }
+        for (set, list) in group(&adds) {
+            batch.elements(&set, &list.iter().collect::<Vec<_>>(), true);
+        }
+    }
+
     fn partial_sync(
         &mut self,
         nft: &mut impl NfTables,
@@ -385,54 +455,7 @@ impl Table {
                 batch.add_rule(&chain.name, rule);
             }
         }
-        // Element reference counting: delete what nobody wants any more, add what is new or changed.
-        let mut deletes: Vec<(&'static str, Element)> = Vec::new();
-        let mut adds: Vec<(&'static str, Element)> = Vec::new();
-        for (set, e) in removed.iter().flat_map(|f| f.elements.iter()) {
-            if let Some(entry) = self.elements.get_mut(&(*set, e.key.clone())) {
-                entry.1 -= 1;
-            }
-        }
-        for (set, e) in added.values().flat_map(|f| f.elements.iter()) {
-            match self.elements.get_mut(&(*set, e.key.clone())) {
-                // In the kernel already (possibly released by this sync and wanted again).
-                Some(entry) if entry.0 == *e => entry.1 += 1,
-                Some(entry) => {
-                    deletes.push((set, entry.0.clone()));
-                    adds.push((set, e.clone()));
-                    entry.0 = e.clone();
-                    entry.1 += 1;
-                }
-                None => {
-                    adds.push((set, e.clone()));
-                    self.elements.insert((*set, e.key.clone()), (e.clone(), 1));
-                }
-            }
-        }
-        for (set, e) in removed.iter().flat_map(|f| f.elements.iter()) {
-            let key = (*set, e.key.clone());
-            if self.elements.get(&key).is_some_and(|(_, n)| *n == 0)
-                && let Some((old, _)) = self.elements.remove(&key)
-            {
-                deletes.push((set, old));
-            }
-        }
-        let group = |list: &[(&'static str, Element)]| {
-            let mut by_set: BTreeMap<std::borrow::Cow<'static, str>, Vec<Element>> = BTreeMap::new();
-            for (s, e) in list {
-                by_set
-                    .entry(render::element_set(s, &e.key))
-                    .or_default()
-                    .push(e.clone());
-            }
-            by_set
-        };
-        for (set, list) in group(&deletes) {
-            batch.elements(&set, &list.iter().collect::<Vec<_>>(), false);
-        }
-        for (set, list) in group(&adds) {
-            batch.elements(&set, &list.iter().collect::<Vec<_>>(), true);
-        }
+        self.element_changes(&mut batch, &removed, &added);
         let stale: Vec<String> = old_chains
             .difference(&new_chains)
             .map(|s| (*s).to_owned())

@@ -685,6 +685,29 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
             lookup(s, None),
         ],
         Expr::ProtoPortInSet(s) => vec![meta_load(1, META_L4PROTO), payload(9, 2, 2, 2), lookup(s, None)],
+        Expr::FibSaddrLocal | Expr::FibDaddrLocal => {
+            let flags = if matches!(e, Expr::FibSaddrLocal) { 1 } else { 2 };
+            vec![
+                ("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)),
+                cmp(true, &2u32.to_ne_bytes()),
+            ]
+        }
+        Expr::NumgenZero(m) => vec![numgen(1, *m), cmp(true, &[0; 4])],
+        Expr::L4Proto(p) => vec![meta_load(1, META_L4PROTO), cmp(true, &[p.number()])],
+        Expr::MarkUnset(m) => vec![
+            meta_load(1, META_MARK),
+            bitwise(4, &m.to_ne_bytes(), &[0; 4]),
+            cmp(true, &[0; 4]),
+        ],
+        _ => encode_statement(e, family),
+    }
+}
+
+/// The kernel expressions of the statements (DNAT, marks, verdicts, map lookups that decide).
+fn encode_statement(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
+    let l = layout(family);
+    let words = l.len / 4;
+    match e {
         // The map's data is `daddr . dport`: the port lands in the word after the address.
         Expr::DnatDaddrProtoPortSlot(n, m) => vec![
             payload(1, 1, l.daddr, l.len),
@@ -700,20 +723,6 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
             numgen(10, *n),
             lookup(m, Some(1)),
             dnat_from_registers(family, reg(words)),
-        ],
-        Expr::FibSaddrLocal | Expr::FibDaddrLocal => {
-            let flags = if matches!(e, Expr::FibSaddrLocal) { 1 } else { 2 };
-            vec![
-                ("fib", Nla::default().u32(1, 1).u32(2, 3).u32(3, flags)),
-                cmp(true, &2u32.to_ne_bytes()),
-            ]
-        }
-        Expr::NumgenZero(m) => vec![numgen(1, *m), cmp(true, &[0; 4])],
-        Expr::L4Proto(p) => vec![meta_load(1, META_L4PROTO), cmp(true, &[p.number()])],
-        Expr::MarkUnset(m) => vec![
-            meta_load(1, META_MARK),
-            bitwise(4, &m.to_ne_bytes(), &[0; 4]),
-            cmp(true, &[0; 4]),
         ],
         Expr::SetMarkOr(m) | Expr::SetMarkXor(m) => {
             let mask = if matches!(e, Expr::SetMarkOr(_)) {
@@ -770,6 +779,8 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
             lookup(m, Some(0)),
         ],
         Expr::Verdict(v) => vec![("immediate", Nla::default().u32(1, 0).nest(2, verdict_data(v)))],
+        // Matches: encoded by `encode_expr`, which never hands them here.
+        _ => Vec::new(),
     }
 }
 
