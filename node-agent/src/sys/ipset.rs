@@ -6,6 +6,8 @@
 //! that is then swapped in (`swap`) and destroyed, so packets always see either the old or the
 //! new contents.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 /// Prefix of every set the agent owns.
 pub const SET_PREFIX: &str = "SWY-";
 /// The kernel's limit on set names (`IPSET_MAXNAMELEN` - 1).
@@ -180,6 +182,101 @@ pub fn destroy(names: &[String]) -> Result<(), IpsetError> {
     run(&["restore"], Some(&input)).map(|_| ())
 }
 
+/// Our ipsets, as the IPVS backend uses them.
+pub trait Ipsets: std::fmt::Debug + Send {
+    /// Creates missing sets and replaces the contents of `sets`, each atomically.
+    fn restore(&mut self, sets: &[&SetSpec]) -> Result<(), IpsetError>;
+    /// Every set whose name starts with `prefix`, with its entries.
+    fn save_all(&self, prefix: &str) -> Result<BTreeMap<String, BTreeSet<String>>, IpsetError>;
+    /// Destroys the sets named; absent ones are fine.
+    fn destroy(&mut self, names: &[String]) -> Result<(), IpsetError>;
+}
+
+/// The kernel's ipsets, through the `ipset` tool.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KernelIpsets;
+
+impl Ipsets for KernelIpsets {
+    fn restore(&mut self, sets: &[&SetSpec]) -> Result<(), IpsetError> {
+        restore(sets)
+    }
+
+    fn save_all(&self, prefix: &str) -> Result<BTreeMap<String, BTreeSet<String>>, IpsetError> {
+        save_all(prefix)
+    }
+
+    fn destroy(&mut self, names: &[String]) -> Result<(), IpsetError> {
+        destroy(names)
+    }
+}
+
+/// ipsets in memory: name to (type, entries). Sets marked in use cannot be destroyed, as sets an
+/// iptables rule references.
+#[derive(Debug, Clone, Default)]
+pub struct FakeIpsets {
+    sets: BTreeMap<String, (String, BTreeSet<String>)>,
+    in_use: BTreeSet<String>,
+}
+
+impl FakeIpsets {
+    /// No sets.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Marks `name` referenced (destroying it fails) or not.
+    pub fn set_in_use(&mut self, name: &str, in_use: bool) {
+        if in_use {
+            self.in_use.insert(name.to_owned());
+        } else {
+            self.in_use.remove(name);
+        }
+    }
+}
+
+impl Ipsets for FakeIpsets {
+    fn restore(&mut self, sets: &[&SetSpec]) -> Result<(), IpsetError> {
+        for set in sets {
+            if let Some((kind, _)) = self.sets.get(&set.name).filter(|(k, _)| *k != set.kind) {
+                return Err(IpsetError::Failed {
+                    args: "restore".into(),
+                    stderr: format!("set {} exists with another type ({kind})", set.name),
+                });
+            }
+        }
+        for set in sets {
+            self.sets
+                .insert(set.name.clone(), (set.kind.clone(), set.entries.clone()));
+        }
+        Ok(())
+    }
+
+    fn save_all(&self, prefix: &str) -> Result<BTreeMap<String, BTreeSet<String>>, IpsetError> {
+        Ok(self
+            .sets
+            .iter()
+            .filter(|(name, _)| name.starts_with(prefix))
+            .map(|(name, (_, entries))| (name.clone(), entries.clone()))
+            .collect())
+    }
+
+    fn destroy(&mut self, names: &[String]) -> Result<(), IpsetError> {
+        if let Some(busy) = names
+            .iter()
+            .find(|n| self.in_use.contains(*n) && self.sets.contains_key(*n))
+        {
+            return Err(IpsetError::Failed {
+                args: "restore".into(),
+                stderr: format!("set {busy} is in use by a kernel component"),
+            });
+        }
+        for name in names {
+            self.sets.remove(name);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,5 +314,26 @@ mod tests {
         assert_eq!(sets.len(), 2);
         assert_eq!(sets["SWY-CLUSTER-IP"].len(), 2);
         assert!(sets["SWY-NODE-PORT-TCP"].is_empty());
+    }
+
+    #[test]
+    fn fake_ipsets_replace_contents_and_keep_sets_in_use() {
+        let mut sets = FakeIpsets::new();
+        let spec = |entries: &[&str]| SetSpec {
+            name: "SWY-A".into(),
+            kind: "hash:ip".into(),
+            entries: entries.iter().map(|e| (*e).to_owned()).collect(),
+        };
+        sets.restore(&[&spec(&["10.0.0.1", "10.0.0.2"])])
+            .expect("restore");
+        sets.restore(&[&spec(&["10.0.0.3"])]).expect("replace");
+        let saved = sets.save_all(SET_PREFIX).expect("save");
+        assert_eq!(saved["SWY-A"].iter().collect::<Vec<_>>(), ["10.0.0.3"]);
+        sets.set_in_use("SWY-A", true);
+        assert!(sets.destroy(&["SWY-A".into()]).is_err());
+        sets.set_in_use("SWY-A", false);
+        sets.destroy(&["SWY-A".into(), "SWY-B".into()])
+            .expect("absent sets are fine");
+        assert!(sets.save_all("").expect("save").is_empty());
     }
 }

@@ -110,6 +110,119 @@ pub fn update_addresses(
     ip_ok(&["-batch", "-"], Some(&input)).map(|_| ())
 }
 
+/// Links and their IPv4 addresses, as the IPVS backend uses them.
+pub trait Links: std::fmt::Debug + Send {
+    /// Whether link `name` exists.
+    fn exists(&self, name: &str) -> Result<bool, LinkError>;
+    /// Creates the dummy link `name` (up) unless it exists; returns whether it created it.
+    fn ensure_dummy(&mut self, name: &str) -> Result<bool, LinkError>;
+    /// Deletes link `name` if it exists; returns whether it existed.
+    fn delete(&mut self, name: &str) -> Result<bool, LinkError>;
+    /// The IPv4 addresses on link `name`.
+    fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError>;
+    /// Adds `add` and removes `remove` (as /32) on link `name`.
+    fn update_addresses(
+        &mut self,
+        name: &str,
+        add: &BTreeSet<Ipv4Addr>,
+        remove: &BTreeSet<Ipv4Addr>,
+    ) -> Result<(), LinkError>;
+}
+
+/// The kernel's links, through the `ip` tool.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KernelLinks;
+
+impl Links for KernelLinks {
+    fn exists(&self, name: &str) -> Result<bool, LinkError> {
+        exists(name)
+    }
+
+    fn ensure_dummy(&mut self, name: &str) -> Result<bool, LinkError> {
+        ensure_dummy(name)
+    }
+
+    fn delete(&mut self, name: &str) -> Result<bool, LinkError> {
+        delete(name)
+    }
+
+    fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError> {
+        addresses(name)
+    }
+
+    fn update_addresses(
+        &mut self,
+        name: &str,
+        add: &BTreeSet<Ipv4Addr>,
+        remove: &BTreeSet<Ipv4Addr>,
+    ) -> Result<(), LinkError> {
+        update_addresses(name, add, remove)
+    }
+}
+
+/// Links in memory: name to addresses.
+#[derive(Debug, Clone, Default)]
+pub struct FakeLinks {
+    links: std::collections::BTreeMap<String, BTreeSet<Ipv4Addr>>,
+}
+
+impl FakeLinks {
+    /// No links.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn missing(name: &str) -> LinkError {
+        LinkError {
+            args: format!("dev {name}"),
+            detail: format!("Cannot find device \"{name}\""),
+        }
+    }
+}
+
+impl Links for FakeLinks {
+    fn exists(&self, name: &str) -> Result<bool, LinkError> {
+        Ok(self.links.contains_key(name))
+    }
+
+    fn ensure_dummy(&mut self, name: &str) -> Result<bool, LinkError> {
+        if self.links.contains_key(name) {
+            return Ok(false);
+        }
+        self.links.insert(name.to_owned(), BTreeSet::new());
+        Ok(true)
+    }
+
+    fn delete(&mut self, name: &str) -> Result<bool, LinkError> {
+        Ok(self.links.remove(name).is_some())
+    }
+
+    fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError> {
+        self.links.get(name).cloned().ok_or_else(|| Self::missing(name))
+    }
+
+    fn update_addresses(
+        &mut self,
+        name: &str,
+        add: &BTreeSet<Ipv4Addr>,
+        remove: &BTreeSet<Ipv4Addr>,
+    ) -> Result<(), LinkError> {
+        if add.is_empty() && remove.is_empty() {
+            return Ok(());
+        }
+        let addresses = self.links.get_mut(name).ok_or_else(|| Self::missing(name))?;
+        if let Some(absent) = remove.iter().find(|a| !addresses.contains(*a)) {
+            return Err(LinkError {
+                args: format!("addr del {absent}/32 dev {name}"),
+                detail: "RTNETLINK answers: Cannot assign requested address".into(),
+            });
+        }
+        addresses.extend(add);
+        addresses.retain(|a| !remove.contains(a));
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,5 +241,26 @@ mod tests {
                 ("eth0".into(), Ipv4Addr::new(10, 0, 1, 1)),
             ]
         );
+    }
+
+    #[test]
+    fn fake_links_hold_addresses_and_refuse_what_the_kernel_refuses() {
+        let mut links = FakeLinks::new();
+        let a: Ipv4Addr = "10.96.0.1".parse().expect("ip");
+        assert!(links.addresses("swy-ipvs0").is_err());
+        assert_eq!(links.ensure_dummy("swy-ipvs0").ok(), Some(true));
+        assert_eq!(links.ensure_dummy("swy-ipvs0").ok(), Some(false));
+        links
+            .update_addresses("swy-ipvs0", &[a].into(), &BTreeSet::new())
+            .expect("add");
+        assert_eq!(links.addresses("swy-ipvs0").ok(), Some([a].into()));
+        let other: Ipv4Addr = "10.96.0.2".parse().expect("ip");
+        assert!(
+            links
+                .update_addresses("swy-ipvs0", &BTreeSet::new(), &[other].into())
+                .is_err()
+        );
+        assert_eq!(links.delete("swy-ipvs0").ok(), Some(true));
+        assert_eq!(links.exists("swy-ipvs0").ok(), Some(false));
     }
 }
