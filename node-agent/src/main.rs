@@ -70,9 +70,11 @@ struct Args {
     /// Handle only Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long)]
     service_proxy_name: Option<String>,
-    /// Minimum seconds between syncs.
-    #[arg(long, default_value_t = 1.0)]
-    min_sync_period: f64,
+    /// Minimum seconds between syncs. Unset, the rate limit fits the syncs' own cost: a change
+    /// after a quiet spell syncs at once, a burst coalesces over 5 ms or three times the last
+    /// sync's cost, and syncs are never held more than 1 s (kube-proxy's default) apart.
+    #[arg(long)]
+    min_sync_period: Option<f64>,
     /// Seconds between full resyncs (and the retry delay after a failure).
     #[arg(long, default_value_t = 30.0)]
     sync_period: f64,
@@ -175,7 +177,7 @@ fn runtime_config(
         .nodeport_addresses
         .clone()
         .unwrap_or_else(|| NodePortAddresses::default_for(mode));
-    if !(args.min_sync_period >= 0.0 && args.sync_period > 0.0) {
+    if !(args.min_sync_period.is_none_or(|p| p >= 0.0) && args.sync_period > 0.0) {
         return Err(Error::Config(
             "--min-sync-period must be >= 0 and --sync-period > 0".into(),
         ));
@@ -188,7 +190,7 @@ fn runtime_config(
         masquerade_all: args.masquerade_all,
         node_port_addresses,
         proxy_name: args.service_proxy_name.clone(),
-        min_sync_period: Duration::from_secs_f64(args.min_sync_period),
+        min_sync_period: args.min_sync_period.map(Duration::from_secs_f64),
         sync_period: Duration::from_secs_f64(args.sync_period),
         capabilities: caps,
         state_dir: args.state_dir.clone(),

@@ -25,7 +25,8 @@ use std::{
 use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchPhase};
 
 pub use parts::{
-    BackendFactory, FaultHook, KernelBackends, NoFaults, Parts, PauseAfter, Prober, TcpProber, probe_round,
+    BackendFactory, FaultHook, KernelBackends, NoFaults, PROBE_EVERY, Parts, PauseAfter, Prober, TcpProber,
+    probe_round,
 };
 
 use crate::{
@@ -72,6 +73,8 @@ pub struct Driver {
     factory: Box<dyn BackendFactory>,
     prober: Box<dyn Prober>,
     faults: Arc<dyn FaultHook>,
+    probe_every: Duration,
+    last_round: Option<Instant>,
     /// Persisted state.
     pub state: SwitchState,
     store: Box<dyn StateStore>,
@@ -140,6 +143,8 @@ impl Driver {
             factory: parts.backends,
             prober: parts.prober,
             faults: parts.faults,
+            probe_every: parts.probe_every,
+            last_round: None,
             state,
             store: parts.store,
             loaded: Some(loaded),
@@ -453,6 +458,7 @@ impl Driver {
         tracing::info!(%from, %to, "switch: cut over, verifying");
         self.state.phase = Phase::Verifying;
         self.cut_over_at = Some(Instant::now());
+        self.last_round = None;
         self.healthy_since = None;
         self.failures = 0;
         // After the effect: a failed store is retried before the next step.
@@ -477,6 +483,10 @@ impl Driver {
     /// One health-gate round: the probes and the target's rules.
     fn verify(&mut self, snapshot: &DualSnapshot, probe_targets: &[ServiceName]) -> bool {
         let Some(to) = self.state.target else { return false };
+        if self.last_round.is_some_and(|t| t.elapsed() < self.probe_every) {
+            return false;
+        }
+        self.last_round = Some(Instant::now());
         let mut results = self.prober.probe(snapshot, probe_targets);
         results.extend(self.drift(to));
         if results.iter().all(|r| r.ok) {

@@ -100,7 +100,13 @@ pub struct Parts {
     pub prober: Box<dyn Prober>,
     /// Called after each store.
     pub faults: Arc<dyn FaultHook>,
+    /// The shortest time between two probe rounds of the health gate (however often the driver
+    /// steps), so that a burst of syncs cannot count failures faster than the gate's tick.
+    pub probe_every: Duration,
 }
+
+/// The health gate's probe rounds run at most once a second (the switch's tick).
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 impl Parts {
     /// The kernel's backends, TCP probes and no fault injection, persisting to `store`.
@@ -110,6 +116,7 @@ impl Parts {
             store,
             prober: Box::new(TcpProber),
             faults: Arc::new(NoFaults),
+            probe_every: PROBE_EVERY,
         }
     }
 }

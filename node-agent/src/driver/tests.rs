@@ -4,6 +4,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode};
@@ -241,6 +242,16 @@ fn want(mode: ProxyMode) -> Desired {
 impl Rig {
     /// A driver in `initial` over a kernel holding `programmed` and a store holding `initial_store`.
     fn with(initial: ProxyMode, initial_store: Loaded, programmed: &[(ProxyMode, bool)]) -> Self {
+        Self::build(initial, initial_store, programmed, Duration::ZERO)
+    }
+
+    /// [`Rig::with`], with probe rounds at most every `probe_every`.
+    fn build(
+        initial: ProxyMode,
+        initial_store: Loaded,
+        programmed: &[(ProxyMode, bool)],
+        probe_every: Duration,
+    ) -> Self {
         let kernel = Arc::new(Mutex::new(Kernel {
             programmed: programmed.iter().copied().collect(),
             ..Default::default()
@@ -258,6 +269,7 @@ impl Rig {
             store: Box::new(FakeStore(store.clone())),
             prober: Box::new(FakeProber(probes.clone())),
             faults: Arc::new(Recorder(hooked.clone())),
+            probe_every,
         };
         let driver = Driver::with_parts(parts, initial, settings("n1"));
         Self {
@@ -590,4 +602,29 @@ fn new_settings_rebuild_the_backends_except_during_a_switch_or_under_ipvs() {
     ipvs.driver.update_settings(settings("renamed"));
     ipvs.sync().expect("sync");
     assert_eq!(builds(&ipvs), before, "IPVS keeps the backend it serves with");
+}
+
+#[test]
+fn probe_rounds_keep_their_pace_however_often_the_driver_steps() {
+    let mut rig = Rig::build(IPT, Loaded::Absent, &[], Duration::from_secs(3600));
+    rig.sync().expect("first sync");
+    let (desired, gate) = (want(NFT), gate(60, 2));
+    with(&rig.probes, |p| {
+        p.results = vec![ProbeResult {
+            target: "default/kubernetes 10.96.0.1:443".into(),
+            ok: false,
+            detail: Some("connection refused".into()),
+        }]
+    });
+    assert!(rig.step(&desired, &gate));
+    assert!(rig.step(&desired, &gate));
+    for _ in 0..5 {
+        assert!(!rig.step(&desired, &gate));
+    }
+    assert_eq!(with(&rig.probes, |p| p.rounds), 1, "one round per probe period");
+    assert_eq!(
+        rig.driver.state.phase,
+        Phase::Verifying,
+        "one failed round does not roll back"
+    );
 }

@@ -3,7 +3,7 @@
 //! programmed), run after it succeeded (so no entry is recreated by the old rules), and carried
 //! to the next sync when the sync or the deletion failed.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use crate::{
     backend::Settings,
@@ -51,7 +51,7 @@ impl Planned {
 #[derive(Debug, Default)]
 pub(super) struct ConntrackCleaner {
     /// What the last successful sync programmed (stale UDP flows are found against it).
-    programmed: Option<DualSnapshot>,
+    programmed: Option<Arc<DualSnapshot>>,
     /// Cleanups that could not run yet.
     unfinished: BTreeMap<IpFamily, Cleanup>,
 }
@@ -70,7 +70,8 @@ impl ConntrackCleaner {
             Changes {
                 services: self
                     .programmed
-                    .iter()
+                    .as_deref()
+                    .into_iter()
                     .chain(std::iter::once(snapshot))
                     .flat_map(|d| d.families())
                     .flat_map(|s| s.services.keys().map(|k| k.service.clone()))
@@ -104,7 +105,7 @@ impl ConntrackCleaner {
 
     /// The sync ended: `programmed` is what it programmed when it succeeded; `unfinished` is
     /// carried to the next sync.
-    pub fn finish(&mut self, programmed: Option<DualSnapshot>, unfinished: Planned) {
+    pub fn finish(&mut self, programmed: Option<Arc<DualSnapshot>>, unfinished: Planned) {
         if let Some(p) = programmed {
             self.programmed = Some(p);
         }
@@ -153,11 +154,11 @@ mod tests {
             [IpFamily::V4],
             "the first sync checks every UDP destination"
         );
-        cleaner.finish(Some(first.clone()), planned.run(true, refused));
+        cleaner.finish(Some(Arc::new(first.clone())), planned.run(true, refused));
         // Nothing changed since, yet the failed cleanup runs again.
         let again = cleaner.plan(&first, &Changes::default(), false, &settings);
         assert_eq!(again.families(), [IpFamily::V4]);
-        cleaner.finish(Some(first.clone()), again.run(true, ok));
+        cleaner.finish(Some(Arc::new(first.clone())), again.run(true, ok));
         assert!(
             cleaner
                 .plan(&first, &Changes::default(), false, &settings)

@@ -129,8 +129,9 @@ pub struct Config {
     pub node_port_addresses: NodePortAddresses,
     /// Service proxy name to honour.
     pub proxy_name: Option<String>,
-    /// Minimum time between syncs.
-    pub min_sync_period: Duration,
+    /// Minimum time between syncs (`--min-sync-period`); unset, the rate limit fits the syncs'
+    /// cost (see [`super::runner`]).
+    pub min_sync_period: Option<Duration>,
     /// Full resync and retry period.
     pub sync_period: Duration,
     /// Capabilities, reported in status.
@@ -262,7 +263,7 @@ mod tests {
             masquerade_all: false,
             node_port_addresses: NodePortAddresses::All,
             proxy_name: None,
-            min_sync_period: Duration::from_secs(1),
+            min_sync_period: Some(Duration::from_secs(1)),
             sync_period: Duration::from_secs(30),
             capabilities: Capabilities::default(),
             state_dir: "/tmp".into(),

@@ -26,7 +26,7 @@ pub use config::{
 use crate::{
     Error, Result,
     backend::Settings,
-    driver::{Driver, FaultHook, KernelBackends, Parts, TcpProber},
+    driver::{Driver, FaultHook, KernelBackends, PROBE_EVERY, Parts, TcpProber},
     health::{ProxyHealth, ServiceHealthServers},
     metrics::Metrics,
     state_store::StateFile,
@@ -98,8 +98,22 @@ fn new_driver(config: &Config, settings: &Settings, faults: &Arc<dyn FaultHook>)
         store: Box::new(StateFile(config.state_dir.join("state.json"))),
         prober: Box::new(TcpProber),
         faults: faults.clone(),
+        probe_every: PROBE_EVERY,
     };
     Driver::with_parts(parts, config.mode, settings.clone())
+}
+
+/// The sync loop's parts, kept across rounds.
+struct SyncLoop {
+    client: Client,
+    config: Config,
+    shared: Arc<Shared>,
+    faults: Arc<dyn FaultHook>,
+    runner: runner::SyncRunner,
+    cleaner: cleaner::ConntrackCleaner,
+    health_servers: ServiceHealthServers,
+    takeover: registration::Takeover,
+    reporter: status::StatusReporter,
 }
 
 async fn sync_loop(
@@ -108,72 +122,90 @@ async fn sync_loop(
     shared: Arc<Shared>,
     faults: Arc<dyn FaultHook>,
 ) -> Result<()> {
-    let mut runner = runner::SyncRunner::new(config.min_sync_period, config.sync_period, Instant::now());
-    let mut cleaner = cleaner::ConntrackCleaner::default();
-    let mut health_servers = ServiceHealthServers::new(shared.health.clone());
-    let mut takeover = registration::Takeover::new(config.takeover_kube_proxy);
-    let mut reporter = status::StatusReporter::new(
-        client.clone(),
-        config.node_name.clone(),
-        config.capabilities.clone(),
-    );
+    let limit = runner::RateLimit::of(config.min_sync_period);
+    let mut parts = SyncLoop {
+        runner: runner::SyncRunner::new(limit, config.sync_period, Instant::now()),
+        cleaner: cleaner::ConntrackCleaner::default(),
+        health_servers: ServiceHealthServers::new(shared.health.clone()),
+        takeover: registration::Takeover::new(config.takeover_kube_proxy),
+        reporter: status::StatusReporter::new(
+            client.clone(),
+            config.node_name.clone(),
+            config.capabilities.clone(),
+        ),
+        client,
+        config,
+        shared,
+        faults,
+    };
     let mut driver: Option<Driver> = None;
-    let (metrics, health) = (&shared.metrics, &shared.health);
     loop {
-        runner
-            .wait(&shared.wake, driver.as_ref().is_some_and(Driver::switching))
-            .await;
-        let Some(Input { wish, settings }) = read_input(&shared, &config) else {
+        let switching = driver.as_ref().is_some_and(Driver::switching);
+        parts.runner.wait(&parts.shared.wake, switching).await;
+        let Some(input) = read_input(&parts.shared, &parts.config) else {
             continue;
         };
-        let mut d = driver
+        let d = driver
             .take()
-            .unwrap_or_else(|| new_driver(&config, &settings, &faults));
+            .unwrap_or_else(|| new_driver(&parts.config, &input.settings, &parts.faults));
+        driver = Some(parts.round(d, input).await?);
+    }
+}
+
+impl SyncLoop {
+    /// One round: sync the tracker's state, then (after a successful sync) step the switch and
+    /// report.
+    async fn round(&mut self, mut d: Driver, Input { wish, settings }: Input) -> Result<Driver> {
         d.update_settings(settings.clone());
-        let full = runner.begin(Instant::now());
+        let full = self.runner.begin(Instant::now());
         let (snapshot, changes) = {
-            let mut t = lock(&shared.tracker);
-            (t.snapshot(), t.take_changes())
+            let mut t = lock(&self.shared.tracker);
+            (Arc::new(t.snapshot()), t.take_changes())
         };
-        metrics.service_changes_pending.set(0);
-        let (d, result) = sync::sync(d, &mut cleaner, &snapshot, changes, full, &settings).await?;
-        let synced = match result {
-            Ok(synced) => synced,
-            Err(e) => {
-                sync::record_failure(metrics, &d, &e);
-                runner.failed();
-                driver = Some(d);
-                continue;
+        self.shared.metrics.service_changes_pending.set(0);
+        let (d, result) = sync::sync(d, &mut self.cleaner, &snapshot, changes, full, &settings).await?;
+        match result {
+            Ok(synced) => {
+                self.runner.succeeded(synced.stats.full, Instant::now());
+                let (metrics, health) = (&self.shared.metrics, &self.shared.health);
+                let servers = &mut self.health_servers;
+                sync::record_success(metrics, health, &d, &synced, &snapshot, &settings, servers);
+                self.after_sync(d, &wish, &synced, &snapshot).await
             }
-        };
-        runner.succeeded(synced.stats.full, Instant::now());
-        sync::record_success(
-            metrics,
-            health,
-            &d,
-            &synced,
-            &snapshot,
-            &settings,
-            &mut health_servers,
-        );
-        takeover.after_sync(d.switching()).await?;
-        let supported = &config.capabilities.supported_modes;
-        let (mut d, again) = step::step(&client, d, supported, &wish, &snapshot).await?;
-        if again {
-            runner.again();
+            Err(e) => {
+                sync::record_failure(&self.shared.metrics, &d, &e);
+                self.runner.failed();
+                Ok(d)
+            }
         }
-        registration::register_if_asked(&client, &config.node_name, &shared, &mut d).await;
-        metrics
-            .state_file_problem
-            .set(i64::from(d.state_problem.is_some()));
+    }
+
+    /// After a successful sync: takeover, one switch step, registration and the status report.
+    async fn after_sync(
+        &mut self,
+        d: Driver,
+        wish: &Wish,
+        synced: &sync::Synced,
+        snapshot: &Arc<crate::model::DualSnapshot>,
+    ) -> Result<Driver> {
+        self.takeover.after_sync(d.switching()).await?;
+        let supported = &self.config.capabilities.supported_modes;
+        let (mut d, again) = step::step(&self.client, d, supported, wish, snapshot).await?;
+        if again {
+            self.runner.again();
+        }
+        let node = &self.config.node_name;
+        registration::register_if_asked(&self.client, node, &self.shared, &mut d).await;
+        let problem = i64::from(d.state_problem.is_some());
+        self.shared.metrics.state_file_problem.set(problem);
         let last = status::LastSync {
             stats: &synced.stats,
             took: synced.took,
-            snapshot: &snapshot,
+            snapshot,
         };
-        if reporter.report(&mut d, &wish, last).await {
-            runner.again();
+        if self.reporter.report(&mut d, wish, last).await {
+            self.runner.again();
         }
-        driver = Some(d);
+        Ok(d)
     }
 }

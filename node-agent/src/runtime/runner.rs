@@ -3,6 +3,11 @@
 //! period since the last sync. Idle ticks (every sync period) force a full sync, and so does a
 //! failed sync and an hour without one; while a switch is under way the tick is fast, so the
 //! health gate's probe rounds run every second.
+//!
+//! The minimum period is `--min-sync-period` when it is set (kube-proxy's meaning: it bounds the
+//! rate). Unset, it fits the syncs' real cost ([`RateLimit::Adaptive`]): a change after a quiet
+//! spell syncs at once, and a burst is coalesced for [`COALESCE`] or [`COST_FACTOR`] times what
+//! the last sync round cost, whichever is longer, never more than [`ADAPTIVE_MAX`].
 
 use std::time::{Duration, Instant};
 
@@ -12,12 +17,40 @@ use tokio::sync::Notify;
 pub(super) const SWITCH_TICK: Duration = Duration::from_secs(1);
 /// The longest time between full syncs, however busy the loop is with partial ones.
 pub(super) const FULL_SYNC_AT_LEAST: Duration = Duration::from_secs(3600);
+/// Adaptive rate limit: the shortest gap between syncs, over which a burst of events coalesces.
+pub(super) const COALESCE: Duration = Duration::from_millis(5);
+/// Adaptive rate limit: the gap between syncs is this many times the last round's cost, so that
+/// syncing takes at most a third of a core through a sustained stream of changes.
+pub(super) const COST_FACTOR: u32 = 3;
+/// Adaptive rate limit: the longest gap between syncs (kube-proxy's default minimum period), and
+/// the delay before a failed sync is retried.
+pub(super) const ADAPTIVE_MAX: Duration = Duration::from_secs(1);
+
+/// How syncs are rate-limited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RateLimit {
+    /// `--min-sync-period`: at most one sync per period, retries included.
+    Fixed(Duration),
+    /// Fitted to the cost of the last sync round (see the module doc).
+    Adaptive,
+}
+
+impl RateLimit {
+    /// `--min-sync-period` if set, else adaptive.
+    pub fn of(min_sync_period: Option<Duration>) -> Self {
+        min_sync_period.map_or(Self::Adaptive, Self::Fixed)
+    }
+}
 
 /// Paces the proxy loop's syncs.
 #[derive(Debug)]
 pub(super) struct SyncRunner {
-    min_period: Duration,
+    limit: RateLimit,
     period: Duration,
+    /// What the last successful round cost (from its start to the end of its sync).
+    last_cost: Duration,
+    /// The last sync failed: its retry waits [`ADAPTIVE_MAX`] under the adaptive limit.
+    retrying: bool,
     last_sync: Option<Instant>,
     last_full: Instant,
     need_full: bool,
@@ -27,10 +60,12 @@ pub(super) struct SyncRunner {
 
 impl SyncRunner {
     /// A runner whose first sync is full and may start at once.
-    pub fn new(min_period: Duration, period: Duration, now: Instant) -> Self {
+    pub fn new(limit: RateLimit, period: Duration, now: Instant) -> Self {
         Self {
-            min_period,
+            limit,
             period,
+            last_cost: Duration::ZERO,
+            retrying: false,
             last_sync: None,
             last_full: now,
             need_full: true,
@@ -48,11 +83,20 @@ impl SyncRunner {
         self.need_full |= tick == self.period;
     }
 
+    /// The minimum period from the last sync's start to the next one's.
+    pub fn min_period(&self) -> Duration {
+        match self.limit {
+            RateLimit::Fixed(period) => period,
+            RateLimit::Adaptive if self.retrying => ADAPTIVE_MAX,
+            RateLimit::Adaptive => (self.last_cost * COST_FACTOR).clamp(COALESCE, ADAPTIVE_MAX),
+        }
+    }
+
     /// What is left of the minimum period since the last sync at `now`.
     pub fn hold(&self, now: Instant) -> Duration {
         self.last_sync
             .map(|last| {
-                self.min_period
+                self.min_period()
                     .saturating_sub(now.saturating_duration_since(last))
             })
             .unwrap_or_default()
@@ -91,6 +135,10 @@ impl SyncRunner {
     /// The sync succeeded (`full`: it rewrote everything) at `now`.
     pub fn succeeded(&mut self, full: bool, now: Instant) {
         self.need_full = false;
+        self.retrying = false;
+        if let Some(start) = self.last_sync {
+            self.last_cost = now.saturating_duration_since(start);
+        }
         if full {
             self.last_full = now;
         }
@@ -99,6 +147,7 @@ impl SyncRunner {
     /// The sync failed: the changes it took are gone, so the retry is full.
     pub fn failed(&mut self) {
         self.need_full = true;
+        self.retrying = true;
         self.again();
     }
 }
@@ -113,7 +162,7 @@ mod tests {
     #[test]
     fn the_first_sync_is_full_and_starts_at_once() {
         let t0 = Instant::now();
-        let mut r = SyncRunner::new(MIN, PERIOD, t0);
+        let mut r = SyncRunner::new(RateLimit::Fixed(MIN), PERIOD, t0);
         assert_eq!(r.hold(t0), Duration::ZERO);
         assert!(r.begin(t0));
         r.succeeded(true, t0);
@@ -123,7 +172,7 @@ mod tests {
     #[test]
     fn syncs_keep_the_minimum_period() {
         let t0 = Instant::now();
-        let mut r = SyncRunner::new(MIN, PERIOD, t0);
+        let mut r = SyncRunner::new(RateLimit::Fixed(MIN), PERIOD, t0);
         r.begin(t0);
         assert_eq!(
             r.hold(t0 + Duration::from_millis(300)),
@@ -136,7 +185,7 @@ mod tests {
     #[test]
     fn an_idle_period_and_a_failure_force_a_full_sync() {
         let t0 = Instant::now();
-        let mut r = SyncRunner::new(MIN, PERIOD, t0);
+        let mut r = SyncRunner::new(RateLimit::Fixed(MIN), PERIOD, t0);
         r.begin(t0);
         r.succeeded(true, t0);
         r.ticked(r.tick(true));
@@ -153,7 +202,7 @@ mod tests {
     #[test]
     fn partial_syncs_give_way_to_a_full_one_every_hour() {
         let t0 = Instant::now();
-        let mut r = SyncRunner::new(MIN, PERIOD, t0);
+        let mut r = SyncRunner::new(RateLimit::Fixed(MIN), PERIOD, t0);
         r.begin(t0);
         r.succeeded(true, t0);
         let later = t0 + FULL_SYNC_AT_LEAST;
@@ -163,8 +212,53 @@ mod tests {
     }
 
     #[test]
+    fn unset_the_minimum_period_fits_the_cost_of_the_last_round() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut r = SyncRunner::new(RateLimit::of(None), PERIOD, t0);
+        assert_eq!(r.hold(t0), Duration::ZERO, "the first sync starts at once");
+        r.begin(t0);
+        r.succeeded(true, t0 + ms(1));
+        assert_eq!(
+            r.min_period(),
+            COALESCE,
+            "a cheap sync: bursts coalesce over a few ms"
+        );
+        assert_eq!(r.hold(t0 + ms(2)), ms(3));
+        assert_eq!(
+            r.hold(t0 + ms(5)),
+            Duration::ZERO,
+            "no 1 s hold after a cheap sync"
+        );
+        let t1 = t0 + ms(10);
+        r.begin(t1);
+        r.succeeded(false, t1 + ms(40));
+        assert_eq!(r.min_period(), ms(120), "a costly round spaces the syncs");
+        let t2 = t1 + ms(200);
+        r.begin(t2);
+        r.succeeded(false, t2 + ms(900));
+        assert_eq!(
+            r.min_period(),
+            ADAPTIVE_MAX,
+            "never more than kube-proxy's default"
+        );
+        r.begin(t2 + ADAPTIVE_MAX);
+        r.failed();
+        assert_eq!(
+            r.min_period(),
+            ADAPTIVE_MAX,
+            "a failed sync is retried after a second"
+        );
+        assert_eq!(
+            RateLimit::of(Some(MIN)),
+            RateLimit::Fixed(MIN),
+            "a set period stays the bound"
+        );
+    }
+
+    #[test]
     fn the_tick_is_fast_while_switching() {
-        let r = SyncRunner::new(MIN, PERIOD, Instant::now());
+        let r = SyncRunner::new(RateLimit::Fixed(MIN), PERIOD, Instant::now());
         assert_eq!((r.tick(true), r.tick(false)), (SWITCH_TICK, PERIOD));
     }
 }

@@ -1,6 +1,8 @@
 //! The switch step after a sync: resolves the health gate's probe targets (during a switch) and
 //! runs one driver step on a blocking thread (its effects program the kernel).
 
+use std::sync::Arc;
+
 use k8s_openapi::api::core::v1::Service;
 use kube::{Api, Client};
 use switchyard_crds::v1alpha1::{ProbeTarget, ProxyMode};
@@ -15,7 +17,7 @@ pub(super) async fn step(
     driver: Driver,
     supported: &[ProxyMode],
     wish: &Wish,
-    snapshot: &DualSnapshot,
+    snapshot: &Arc<DualSnapshot>,
 ) -> Result<(Driver, bool)> {
     let targets = if driver.switching() {
         probe_targets(client, &wish.probes).await
@@ -26,7 +28,7 @@ pub(super) async fn step(
         supported.to_vec(),
         wish.desired.clone(),
         wish.gate.clone(),
-        snapshot.clone(),
+        Arc::clone(snapshot),
     );
     on_blocking_thread("switch", driver, move |d| {
         d.step(desired.as_ref(), &supported, &gate, &snap, &targets)

@@ -2,7 +2,10 @@
 //! with the conntrack pass right after it, then what the sync did goes to metrics, health and the
 //! health-check node-port servers.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use super::{cleaner::ConntrackCleaner, intake::now_seconds, on_blocking_thread};
 use crate::{
@@ -28,14 +31,14 @@ pub(super) struct Synced {
 pub(super) async fn sync(
     driver: Driver,
     cleaner: &mut ConntrackCleaner,
-    snapshot: &DualSnapshot,
+    snapshot: &Arc<DualSnapshot>,
     changes: Changes,
     full: bool,
     settings: &Settings,
 ) -> Result<(Driver, Result<Synced, BackendError>)> {
     let planned = cleaner.plan(snapshot, &changes, full, settings);
-    // The task's copy comes back as what is programmed: no second clone of the whole state.
-    let snap = snapshot.clone();
+    // Shared with the task, and kept as what is programmed: no copy of the whole state.
+    let snap = Arc::clone(snapshot);
     let (driver, (result, unfinished, snap)) = on_blocking_thread("sync", driver, move |d| {
         let started = Instant::now();
         let r = d.sync(&snap, &changes, full);
