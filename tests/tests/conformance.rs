@@ -1,7 +1,8 @@
 //! Conformance with the real kube-proxy (issue 13, item 3): the matrix of `switchyard_e2e::conformance`
 //! — every Service semantic of `dataplane.rs` (ClusterIP, NodePort, LoadBalancer and externalIPs;
-//! ClientIP affinity; externalTrafficPolicy and internalTrafficPolicy Local; terminating and
-//! not-serving endpoints; no endpoints; loadBalancerSourceRanges; hairpin; dual-stack and an
+//! ClientIP affinity (ClusterIP and NodePort); externalTrafficPolicy and internalTrafficPolicy
+//! Local, also with only a terminating local endpoint; terminating and not-serving endpoints; no
+//! endpoints; loadBalancerSourceRanges; hairpin; dual-stack and an
 //! IPv6-only Service; TCP and UDP) seen from pods, nodes and the outside — runs through kube-proxy
 //! v1.37.2 and through the agent, in nftables and in iptables mode, and every cell must agree:
 //! which endpoints answer, with which source address, refused or dropped, a spread's uniformity, a
@@ -187,6 +188,12 @@ async fn switchyard_agrees_with_kube_proxy_cell_by_cell() {
         }
     }
     let (statuses, failures) = judge(&rows, DELIBERATE, KNOWN_BUGS);
+    println!(
+        "\nthe matrix: mode, family, cell (Service: client → target), = where both proxies agree, then the \
+         verdict: \"X ← Y\": endpoint X answered and saw source Y (a pod, a node, a node's cbr0, \
+         the fabric); refused; dropped (no answer in {} ms); uniform (a spread); HTTP code\n",
+        switchyard_e2e::conformance::run::PILOT_LIMIT_MS
+    );
     println!("{}", render(&rows, &statuses));
     let count = |s: &Status| statuses.iter().filter(|x| *x == s).count();
     println!(

@@ -51,9 +51,9 @@ pub enum Check {
     /// endpoints, chosen uniformly, is missed with probability <= 1e-6 / k (all seen with
     /// probability >= 1 - 1e-6 by the union bound); at least 3.
     Cover,
-    /// ClientIP affinity: 20 attempts from one client. With affinity they all land on one
-    /// endpoint (deterministic); without, 20 uniform choices among 3 do with probability
-    /// 3 * 3^-20 < 1e-9.
+    /// ClientIP affinity: 31 attempts from one client. With affinity they all land on one
+    /// endpoint (deterministic); without, 31 uniform choices among 2 do with probability
+    /// 2 * 2^-31 < 1e-9 (among 3: 3 * 3^-31).
     Sticky,
     /// One HTTP GET of a health-check node port: its status code.
     Http,
@@ -83,7 +83,7 @@ pub fn attempts(check: Check, endpoints: usize) -> u32 {
     match check {
         Check::Spread if endpoints == 2 => SPREAD_2 as u32,
         Check::Spread => SPREAD_3 as u32,
-        Check::Sticky => 20,
+        Check::Sticky => 31,
         Check::Http => 1,
         Check::Cover if endpoints <= 1 => 3,
         Check::Cover => {
@@ -266,6 +266,11 @@ pub fn cells() -> Vec<Cell> {
         tcp("itp", Host(0), ClusterIp("itp"), 80, Cover),
         cell(None, Pod(0), unallocated, 80, false, Cover),
         tcp("web6only", Pod(0), ClusterIp("web6only"), 80, Cover),
+        tcp("localterm", Fabric, NodeIp(0), services::LOCALTERM_TCP, Cover),
+        tcp("localterm", Fabric, NodeIp(1), services::LOCALTERM_TCP, Cover),
+        tcp("itpterm", Pod(0), ClusterIp("itpterm"), 80, Cover),
+        tcp("itpterm", Pod(1), ClusterIp("itpterm"), 80, Cover),
+        tcp("stickynp", Fabric, NodeIp(0), services::STICKY_TCP, Sticky),
     ]
 }
 

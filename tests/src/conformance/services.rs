@@ -42,6 +42,10 @@ pub const EMPTY_TCP: u16 = 30082;
 pub const EMPTY_UDP: u16 = 30084;
 /// `lb`'s node port.
 pub const LB_TCP: u16 = 30083;
+/// `localterm`'s node port.
+pub const LOCALTERM_TCP: u16 = 30085;
+/// `stickynp`'s node port.
+pub const STICKY_TCP: u16 = 30086;
 
 /// The fabric routes of addresses outside the cluster: (IPv4, IPv6, node index).
 pub const ROUTES: [(&str, &str, usize); 3] = [
@@ -144,6 +148,24 @@ pub const SERVICES: &[ServiceDef] = &[
         v6: "fd00:10:96::20a",
         endpoints: ALL,
     },
+    ServiceDef {
+        name: "localterm",
+        v4: Some("10.96.0.211"),
+        v6: "fd00:10:96::211",
+        endpoints: &[(0, State::Terminating), (1, State::Ready)],
+    },
+    ServiceDef {
+        name: "itpterm",
+        v4: Some("10.96.0.212"),
+        v6: "fd00:10:96::212",
+        endpoints: &[(0, State::Terminating), (1, State::Ready)],
+    },
+    ServiceDef {
+        name: "stickynp",
+        v4: Some("10.96.0.213"),
+        v6: "fd00:10:96::213",
+        endpoints: &[(1, State::Ready), (2, State::Ready)],
+    },
 ];
 
 /// The Service named `name`.
@@ -203,6 +225,20 @@ fn spec_of(def: &ServiceDef) -> (Value, Option<Value>) {
         ),
         "empty" => (
             json!({"type": "NodePort", "ports": [http_port(Some(EMPTY_TCP)), dns_port(Some(EMPTY_UDP))]}),
+            None,
+        ),
+        "localterm" => (
+            json!({"type": "NodePort", "externalTrafficPolicy": "Local",
+                   "ports": [http_port(Some(LOCALTERM_TCP))]}),
+            None,
+        ),
+        "itpterm" => (
+            json!({"internalTrafficPolicy": "Local", "ports": [http_port(None)]}),
+            None,
+        ),
+        "stickynp" => (
+            json!({"type": "NodePort", "sessionAffinity": "ClientIP",
+                   "ports": [http_port(Some(STICKY_TCP))]}),
             None,
         ),
         "itp" => (
