@@ -259,7 +259,7 @@ impl FakeTable {
             .chains
             .iter()
             .flat_map(|c| &c.rules)
-            .any(|r| rule_refs(r).0.iter().any(|c| *c == name));
+            .any(|r| rule_refs(r).0.contains(&name));
         in_rules
             || self
                 .sets
