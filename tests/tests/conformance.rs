@@ -65,11 +65,14 @@ const KNOWN_BUGS: &[Difference] = &[
 /// The one rule behind every known bug.
 const ETP_LOCAL_WITHOUT_LOCAL_ENDPOINTS: &str = "externalTrafficPolicy: Local on a node without a local endpoint: \
     kube-proxy still sends the node's own traffic (masqueraded) and pod traffic (short-circuit) to \
-    all endpoints and drops only the rest; our nftables render (backend/nftables/render.rs, the \
-    `!external_ok` branch) puts the node port and LB IPs only in no-endpoint-nodeports / \
-    no-endpoint-services and returns before the external chain and its service-nodeports / \
-    service-ips elements, so that traffic is never DNATed and the filter check drops it \
-    (iptables mode agrees with kube-proxy).";
+    all endpoints and drops only the rest (pkg/proxy/nftables/proxier.go: usesExternalTrafficChain \
+    := hasEndpoints && ExternallyAccessible(), so the service-nodeports/service-ips elements goto the \
+    external chain, which lacks only its final goto to the local chain, beside the \
+    no-endpoint-nodeports/no-endpoint-services drop); our nftables render \
+    (backend/nftables/render.rs) gates that on `external_ok` (local endpoints) instead: its \
+    `!external_ok` branch adds only the no-endpoint elements and returns before the external chain \
+    and its service-nodeports/service-ips elements, so that traffic is never DNATed and the filter \
+    check drops it (iptables mode agrees with kube-proxy).";
 
 /// The modes, in the order they run.
 const MODES: [Mode; 2] = [Mode::Nftables, Mode::Iptables("nft")];
