@@ -180,10 +180,13 @@ mod tests {
         entries.iter().copied().collect()
     }
 
+    /// A table row: name, settings, cores, the wanted values.
+    type Case = (&'static str, ConntrackSettings, u32, Vec<(Knob, u64)>);
+
     #[test]
     fn wanted_follows_kube_proxy_rules() {
         use Knob::*;
-        let cases: Vec<(&str, ConntrackSettings, u32, Vec<(Knob, u64)>)> = vec![
+        let cases: Vec<Case> = vec![
             ("absent fields leave everything alone", settings(), 4, vec![]),
             (
                 "max per core times cores",
