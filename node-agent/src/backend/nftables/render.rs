@@ -498,7 +498,7 @@ pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) 
         return frag;
     }
     let external = render.external_destinations();
-    if !render.external_ok() {
+    if !render.external_ok() && !render.short_circuits() {
         render.blocked_external(&external, &mut frag);
         return frag;
     }
@@ -680,6 +680,13 @@ impl<'a> PortRender<'a> {
         }
     }
 
+    /// Whether pod and node traffic to the external destinations still has endpoints: with a
+    /// Local policy it short-circuits to all endpoints, so a node without a local endpoint still
+    /// serves it (as kube-proxy does) and drops only the traffic from outside.
+    fn short_circuits(&self) -> bool {
+        self.port.external_policy_local && self.has_cluster
+    }
+
     fn external_destinations(&self) -> ExternalDestinations {
         let port = self.port;
         let ips: Vec<IpAddr> = port
@@ -753,9 +760,16 @@ impl<'a> PortRender<'a> {
             );
             rules.push(Rule::new(vec![Expr::FibSaddrLocal, to_svc()]).comment("short-circuit local traffic"));
         }
-        rules.push(Rule::new(vec![Expr::Verdict(Verdict::Goto(
-            self.local_chain.clone(),
-        ))]));
+        if self.has_local {
+            rules.push(Rule::new(vec![Expr::Verdict(Verdict::Goto(
+                self.local_chain.clone(),
+            ))]));
+        } else {
+            rules.push(
+                Rule::new(vec![Expr::Verdict(Verdict::Drop)])
+                    .comment("externalTrafficPolicy Local and no local endpoints"),
+            );
+        }
         rules
     }
 
