@@ -352,8 +352,8 @@ pub fn count_objects(listing: &str, mode: Mode) -> Counts {
 }
 
 /// Whether the kernel serves `svc` with each of `eps` (one cheap query, not a listing): our nft
-/// endpoint-map elements of the ClusterIP; kube-proxy's nft service chain; the iptables service
-/// chain's jumps to the endpoints' `SEP` chains (one iptables-restore commits both).
+/// endpoint-map elements of the ClusterIP; kube-proxy's nft service chain (its endpoint map); the
+/// iptables service chain's jumps to the endpoints' `SEP` chains (one iptables-restore commits both).
 pub fn programmed(proxy: Proxy, netns: &str, svc: &BenchSvc, eps: &[Ipv4Addr]) -> bool {
     let listing = match (proxy, proxy.mode()) {
         (Proxy::Switchyard(_), Mode::Nftables) => {
@@ -377,7 +377,12 @@ pub fn programmed(proxy: Proxy, netns: &str, svc: &BenchSvc, eps: &[Ipv4Addr]) -
     let Ok(text) = listing else { return false };
     eps.iter().all(|ip| match (proxy, proxy.mode()) {
         (Proxy::Switchyard(_), Mode::Nftables) => text.contains(&format!("{ip} . {TARGET_PORT}")),
-        (Proxy::KubeProxy(_), Mode::Nftables) => text.contains(&names::nft_endpoint_suffix(*ip, TARGET_PORT)),
+        // v1.37 DNATs in the service chain (`numgen random mod N map { 0 : ip . port, … }`);
+        // with a chain per endpoint (affinity) the chain's name carries the endpoint.
+        (Proxy::KubeProxy(_), Mode::Nftables) => {
+            text.contains(&format!("{ip} . {TARGET_PORT}"))
+                || text.contains(&names::nft_endpoint_suffix(*ip, TARGET_PORT))
+        }
         (_, Mode::Iptables(_)) => text.contains(&names::ipt_endpoint_chain(
             proxy.ipt_prefix(),
             &svc.name,
@@ -685,10 +690,19 @@ pub async fn run_proxy(
     );
     let probe = &model.services[0];
     if !programmed(proxy, &node.netns, probe, &probe.eps) {
+        let named: Vec<String> = listing
+            .lines()
+            .filter(|l| l.contains(&format!("/{}/", probe.name)) || l.contains(&format!("/{}:", probe.name)))
+            .take(6)
+            .map(str::to_owned)
+            .collect();
         return Err(Error::Prerequisite(format!(
-            "{}: the kernel query for {} does not find it although every rule is listed (names?)",
+            "{}: the kernel query for {} ({:?}) does not find it although every rule is listed; the \
+             listing names it in:\n{}",
             proxy.label(),
-            probe.name
+            probe.name,
+            probe.eps,
+            named.join("\n")
         )));
     }
     let mut spent = (0, Duration::ZERO);
