@@ -17,7 +17,7 @@ use crate::{
     Error, Family, Result,
     agent::{self, Agent},
     controlplane::{self, ControlPlane},
-    eventually,
+    eventually, kernel,
     kube_proxy::{KubeProxy, Mode},
     netns::{Cluster, Node},
     traffic::{Server, http_get, probe, start_server},
@@ -238,6 +238,9 @@ impl Twin {
             })
             .await?;
         }
+        for node in &nodes {
+            programmed(self.proxy, mode, node)?;
+        }
         if !self.running() {
             return Err(Error::Prerequisite(format!(
                 "{what}: a proxy exited\n{}",
@@ -275,6 +278,34 @@ impl Twin {
             .collect::<Vec<_>>()
             .join("\n")
     }
+}
+
+/// Checks that `proxy` programmed `node` in `mode` and nothing else: kube-proxy's `kube-proxy` nft
+/// table or its `KUBE-SERVICES` chain in iptables-nft; our `switchyard` table or `SWY-SERVICES`
+/// in iptables-nft (the variant kubelet's chains select), never the other backend.
+fn programmed(proxy: Proxy, mode: Mode, node: &Node) -> Result<()> {
+    let tables = kernel::nft_tables(&node.netns)?;
+    let save = Cluster::exec(&node.netns, &["iptables-nft-save"])?;
+    let (nft, ipt) = match proxy {
+        Proxy::KubeProxy => (
+            tables.contains("table ip kube-proxy"),
+            save.contains(":KUBE-SERVICES"),
+        ),
+        Proxy::Switchyard => (
+            tables.contains("table ip switchyard"),
+            save.contains(":SWY-SERVICES"),
+        ),
+    };
+    let want = (mode == Mode::Nftables, mode != Mode::Nftables);
+    if (nft, ipt) == want {
+        return Ok(());
+    }
+    Err(Error::Prerequisite(format!(
+        "{} in {} mode on {}: nft table {nft}, iptables-nft chains {ipt}\n{tables}\n{save}",
+        proxy.name(),
+        mode.name(),
+        node.name
+    )))
 }
 
 /// Whether kube-proxy's nftables `cluster-ips-check` on `node` drops both Service CIDRs.
