@@ -12,6 +12,8 @@
 //! | `verify_empty_after_sync` | `verify` finds no drift after full and partial syncs |
 //! | `cleanup_twice_leaves_nothing` | cleanup is idempotent and removes every object |
 //! | `cleanup_collects_every_error` | a failing part does not stop cleanup of the others; every failure is reported |
+//!
+//! [`kits_agree`] checks a fake against the kernel on the same syncs (root).
 
 use super::fixtures;
 use crate::{
@@ -198,6 +200,31 @@ pub fn cleanup_collects_every_error<K: Kit>(kit: &K) {
         assert_eq!(cleanup_errors(s), Vec::<String>::new());
         assert_eq!(s.owned(), "");
     });
+}
+
+/// The states a full sync of the kit's scenario and then a partial sync of its change leave.
+fn states<K: Kit>(kit: &K) -> (String, String) {
+    let before = kit.scenario();
+    let (after, changes) = fixtures::changed(&before);
+    kit.with_subject(|s| {
+        full_sync(s, &before);
+        let full = s.owned();
+        s.backend()
+            .sync(&after, &changes, false)
+            .unwrap_or_else(|e| panic!("partial sync: {e}"));
+        (full, s.owned())
+    })
+}
+
+/// Two kits of one backend agree (the fake and the kernel, so that the fake stays true to its
+/// oracle beyond the golden scenario): a full sync and then a partial sync leave the same state in
+/// both. Their subjects must normalise [`Subject::owned`] alike.
+pub fn kits_agree<A: Kit, B: Kit>(a: &A, b: &B) {
+    let (full_a, partial_a) = states(a);
+    let (full_b, partial_b) = states(b);
+    assert_ne!(full_a, "", "a full sync programs something");
+    assert_eq!(full_a, full_b, "after the full sync");
+    assert_eq!(partial_a, partial_b, "after the partial sync");
 }
 
 /// Expands to one `#[test]` per case of the suite for the kit `$kit` (an expression).

@@ -379,6 +379,13 @@ impl Kit for KernelKit {
     }
 }
 
+/// The fake and the kernel agree beyond the golden scenario: after the suite's full and partial
+/// syncs both hold the same tables (root).
+#[test]
+fn fake_and_kernel_agree_after_full_and_partial_syncs() {
+    crate::backend::conformance::suite::kits_agree(&FakeKit, &KernelKit);
+}
+
 /// The conformance suite on the fake nf_tables (no root).
 mod conformance_fake {
     super::conformance_suite!(super::FakeKit);
