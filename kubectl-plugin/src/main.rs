@@ -1,6 +1,7 @@
 //! `kubectl-switchyard`: a kubectl plugin (`kubectl switchyard ...`) to plan, watch and steer
 //! Switchyard rollouts. Uses the kubeconfig the way kubectl does: `--kubeconfig`, else
 //! `$KUBECONFIG`, else `~/.kube/config`, else the in-cluster service account.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 use std::{path::PathBuf, process::ExitCode};
 

@@ -6,6 +6,7 @@
 //!                                                                  sys (netlink, iptables, files)
 //! ```
 //! Only [`sys`] touches the kernel; [`probe`] decides from gathered facts; [`report`] talks to the API.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 pub mod backend;
 pub mod conntrack;

@@ -59,6 +59,7 @@
 //! leader steps down when it cannot renew its Lease for a lease duration and re-acquires it as
 //! soon as the API answers. `/healthz` stays 200 and says since when the API is unreachable;
 //! `switchyard_operator_api_reachable` is 0 meanwhile.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 pub use switchyard_crds as crds;
 

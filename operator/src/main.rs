@@ -1,5 +1,6 @@
 //! `switchyard-operator`: rolls ProxyPolicies out to NodeProxies, wave by wave, with Lease-based
 //! leader election (only the leader reconciles).
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 

@@ -4,6 +4,7 @@
 //! backend), each measurement in its own process and network namespace.
 //!
 //! Run as root: `cargo run --release -p switchyard-agent --bin sync-bench [-- --sizes 1000,10000,30000]`.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 use std::{
     net::Ipv4Addr,

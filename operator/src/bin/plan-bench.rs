@@ -2,6 +2,7 @@
 //! given as arguments), printed as a table. Each size plans a cluster in the middle of a rollout:
 //! three policies (two overlapping), three waves, a quarter of the nodes already switched, some
 //! switching, one failed within budget.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 use std::time::Instant;
 

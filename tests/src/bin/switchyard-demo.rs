@@ -9,6 +9,7 @@
 //!
 //! `--processes`: the faster development variant — the agents and the operator as processes in
 //! namespace nodes, no kubelets or images.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 use std::{
     io::{BufRead, BufReader},

@@ -14,6 +14,7 @@
 //! `error <detail>`.
 //!
 //! `ADDR` is `a.b.c.d:port` or `[v6]:port`.
+#![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
 use std::{
     io::{self, Read, Write},
