@@ -35,44 +35,7 @@ const DELIBERATE: &[Difference] = &[];
 
 /// Where we are wrong. Each entry is reported loudly; once a fix makes the cell agree the test
 /// fails until the entry is removed.
-const KNOWN_BUGS: &[Difference] = &[
-    Difference {
-        mode: "nftables",
-        family: "*",
-        cell: "local: node-3 → node-3:30081/tcp",
-        kube_proxy: "node-1-pod-1 ← node-3; node-2-pod-1 ← node-3",
-        ours: "dropped",
-        reason: ETP_LOCAL_WITHOUT_LOCAL_ENDPOINTS,
-    },
-    Difference {
-        mode: "nftables",
-        family: "*",
-        cell: "local: node-3 pod → node-3:30081/tcp",
-        kube_proxy: "node-1-pod-1 ← node-3-pod-2; node-2-pod-1 ← node-3-pod-2",
-        ours: "dropped",
-        reason: ETP_LOCAL_WITHOUT_LOCAL_ENDPOINTS,
-    },
-    Difference {
-        mode: "nftables",
-        family: "*",
-        cell: "local: node-3 → LB IP:80/tcp",
-        kube_proxy: "node-1-pod-1 ← node-3; node-2-pod-1 ← node-3",
-        ours: "dropped",
-        reason: ETP_LOCAL_WITHOUT_LOCAL_ENDPOINTS,
-    },
-];
-
-/// The one rule behind every known bug.
-const ETP_LOCAL_WITHOUT_LOCAL_ENDPOINTS: &str = "externalTrafficPolicy: Local on a node without a local endpoint: \
-    kube-proxy still sends the node's own traffic (masqueraded) and pod traffic (short-circuit) to \
-    all endpoints and drops only the rest (pkg/proxy/nftables/proxier.go: usesExternalTrafficChain \
-    := hasEndpoints && ExternallyAccessible(), so the service-nodeports/service-ips elements goto the \
-    external chain, which lacks only its final goto to the local chain, beside the \
-    no-endpoint-nodeports/no-endpoint-services drop); our nftables render \
-    (backend/nftables/render.rs) gates that on `external_ok` (local endpoints) instead: its \
-    `!external_ok` branch adds only the no-endpoint elements and returns before the external chain \
-    and its service-nodeports/service-ips elements, so that traffic is never DNATed and the filter \
-    check drops it (iptables mode agrees with kube-proxy).";
+const KNOWN_BUGS: &[Difference] = &[];
 
 /// The modes, in the order they run.
 const MODES: [Mode; 2] = [Mode::Nftables, Mode::Iptables("nft")];
