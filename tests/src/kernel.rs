@@ -61,8 +61,14 @@ mod tests {
     fn every_listing_fails_when_its_command_fails() {
         assert!(nft_tables(MISSING).is_err(), "nft list tables");
         assert!(nft_ruleset(MISSING).is_err(), "nft list ruleset");
-        assert!(iptables_saves(MISSING, &[Family::V4]).is_err(), "iptables saves v4");
-        assert!(iptables_saves(MISSING, &[Family::V6]).is_err(), "iptables saves v6");
+        assert!(
+            iptables_saves(MISSING, &[Family::V4]).is_err(),
+            "iptables saves v4"
+        );
+        assert!(
+            iptables_saves(MISSING, &[Family::V6]).is_err(),
+            "iptables saves v6"
+        );
         for mode in ["nftables", "iptables"] {
             assert!(backend_state(MISSING, mode, &[Family::V4]).is_err(), "{mode}");
         }
