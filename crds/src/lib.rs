@@ -9,7 +9,6 @@
 //! The YAML in `config/crd/` and `helm/switchyard/crds/` is generated from these types by `crdgen`
 //! ([`crd_yaml`]) and checked for staleness by a test.
 #![cfg_attr(not(test), warn(clippy::too_many_lines))]
-
 // kube-derive expands each `printcolumn(...)` into attributes clippy sees as duplicates.
 #![allow(clippy::duplicated_attributes)]
 
