@@ -197,6 +197,7 @@ fn runtime_config(
         takeover_kube_proxy: args.takeover_kube_proxy,
         localhost_node_ports: args.iptables_localhost_nodeports,
         service_cidrs: cidrs(&args.service_cidr),
+        conntrack: None,
     })
 }
 
@@ -210,9 +211,14 @@ async fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     if args.cleanup {
-        let errors = tokio::task::spawn_blocking(backend::cleanup_all)
-            .await
-            .map_err(|e| Error::Config(format!("cleanup task: {e}")))?;
+        let state = switchyard_agent::state_store::StateFile(args.state_dir.join("state.json"));
+        let errors = tokio::task::spawn_blocking(move || {
+            let mut errors: Vec<String> = backend::cleanup_all().iter().map(ToString::to_string).collect();
+            errors.extend(runtime::restore_conntrack_sysctls(&state));
+            errors
+        })
+        .await
+        .map_err(|e| Error::Config(format!("cleanup task: {e}")))?;
         for e in &errors {
             eprintln!("switchyard-agent: cleanup: {e}");
         }

@@ -3,6 +3,10 @@
 //! Reading tells a missing file ([`Loaded::Absent`]) from a damaged one ([`Loaded::Corrupt`]: empty,
 //! truncated, not JSON, wrong checksum or version), which the driver must not read as absent: it
 //! then asks the kernel what serves.
+//!
+//! The same file keeps the conntrack sysctl values the agent replaced ([`Replaced`], optional
+//! `sysctls` field): files without it (older agents) load as before, and storing either part keeps
+//! the other. The checksum of a file with `sysctls` covers both parts.
 
 use std::{
     io::Write,
@@ -12,7 +16,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::switch::SwitchState;
+use crate::{node_sysctls::Replaced, switch::SwitchState};
 
 /// Version of the envelope written by this agent.
 pub const FORMAT_VERSION: u32 = 1;
@@ -45,7 +49,59 @@ pub trait StateStore: Send {
 struct Envelope {
     version: u32,
     sha256: String,
-    state: SwitchState,
+    /// Absent only in a file the sysctl values were stored to before any switch state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    state: Option<SwitchState>,
+    /// The conntrack sysctl values the agent replaced (absent in older files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sysctls: Option<Replaced>,
+}
+
+/// What the checksum covers: the state's compact JSON alone (the format of files without
+/// `sysctls`), else both parts.
+fn checked_text(state: Option<&SwitchState>, sysctls: Option<&Replaced>) -> String {
+    match (state, sysctls) {
+        (Some(state), None) => serde_json::to_string(state).unwrap_or_default(),
+        (state, sysctls) => serde_json::to_string(&(state, sysctls)).unwrap_or_default(),
+    }
+}
+
+/// Both parts of a state file, or why it cannot be trusted.
+fn decode_parts(bytes: &[u8]) -> Result<(Option<SwitchState>, Option<Replaced>), String> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err("the state file is empty".into());
+    }
+    let envelope: Envelope = match serde_json::from_slice(bytes) {
+        Ok(e) => e,
+        // Agents before the envelope wrote the bare state; accept it (the kernel check still runs).
+        Err(e) => {
+            return match serde_json::from_slice::<SwitchState>(bytes) {
+                Ok(state) => Ok((Some(state), None)),
+                Err(_) => Err(format!("the state file is not a valid state: {e}")),
+            };
+        }
+    };
+    if envelope.version != FORMAT_VERSION {
+        return Err(format!(
+            "the state file has format version {} (this agent reads {FORMAT_VERSION})",
+            envelope.version
+        ));
+    }
+    if digest(&checked_text(envelope.state.as_ref(), envelope.sysctls.as_ref())) != envelope.sha256 {
+        return Err("the state file's checksum does not match its content".into());
+    }
+    Ok((envelope.state, envelope.sysctls))
+}
+
+/// Encodes both parts as the bytes of a state file.
+fn encode_parts(state: Option<&SwitchState>, sysctls: Option<&Replaced>) -> Vec<u8> {
+    let envelope = Envelope {
+        version: FORMAT_VERSION,
+        sha256: digest(&checked_text(state, sysctls)),
+        state: state.cloned(),
+        sysctls: sysctls.cloned(),
+    };
+    serde_json::to_vec(&envelope).unwrap_or_default()
 }
 
 fn digest(text: &str) -> String {
@@ -57,40 +113,16 @@ fn digest(text: &str) -> String {
 
 /// Encodes `state` as the bytes of a state file.
 pub fn encode(state: &SwitchState) -> Vec<u8> {
-    let text = serde_json::to_string(state).unwrap_or_default();
-    let envelope = Envelope {
-        version: FORMAT_VERSION,
-        sha256: digest(&text),
-        state: state.clone(),
-    };
-    serde_json::to_vec(&envelope).unwrap_or_default()
+    encode_parts(Some(state), None)
 }
 
 /// Decodes the bytes of a state file. Pure.
 pub fn decode(bytes: &[u8]) -> Loaded {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Loaded::Corrupt("the state file is empty".into());
+    match decode_parts(bytes) {
+        Ok((Some(state), _)) => Loaded::Valid(state),
+        Ok((None, _)) => Loaded::Absent,
+        Err(why) => Loaded::Corrupt(why),
     }
-    let envelope: Envelope = match serde_json::from_slice(bytes) {
-        Ok(e) => e,
-        // Agents before the envelope wrote the bare state; accept it (the kernel check still runs).
-        Err(e) => {
-            return match serde_json::from_slice::<SwitchState>(bytes) {
-                Ok(state) => Loaded::Valid(state),
-                Err(_) => Loaded::Corrupt(format!("the state file is not a valid state: {e}")),
-            };
-        }
-    };
-    if envelope.version != FORMAT_VERSION {
-        return Loaded::Corrupt(format!(
-            "the state file has format version {} (this agent reads {FORMAT_VERSION})",
-            envelope.version
-        ));
-    }
-    if digest(&serde_json::to_string(&envelope.state).unwrap_or_default()) != envelope.sha256 {
-        return Loaded::Corrupt("the state file's checksum does not match its content".into());
-    }
-    Loaded::Valid(envelope.state)
 }
 
 /// The state in a file of the node (a hostPath under a DaemonSet, so it survives restarts).
@@ -111,6 +143,27 @@ impl StateFile {
         // The rename itself is durable only once the directory is.
         std::fs::File::open(dir)?.sync_all()
     }
+
+    /// Both parts as the file holds them now (none when it is missing or cannot be trusted).
+    fn parts(&self) -> (Option<SwitchState>, Option<Replaced>) {
+        std::fs::read(&self.0)
+            .ok()
+            .and_then(|bytes| decode_parts(&bytes).ok())
+            .unwrap_or_default()
+    }
+
+    /// The conntrack sysctl values the agent replaced, as last stored (none stored: empty).
+    pub fn load_sysctls(&self) -> Replaced {
+        self.parts().1.unwrap_or_default()
+    }
+
+    /// Stores the replaced sysctl values durably, keeping the switch state (an empty set removes
+    /// the field).
+    pub fn store_sysctls(&self, sysctls: &Replaced) -> std::io::Result<()> {
+        let (state, _) = self.parts();
+        let sysctls = (!sysctls.0.is_empty()).then_some(sysctls);
+        Self::write_durably(&self.0, &encode_parts(state.as_ref(), sysctls))
+    }
 }
 
 impl StateStore for StateFile {
@@ -123,7 +176,8 @@ impl StateStore for StateFile {
     }
 
     fn store(&mut self, state: &SwitchState) -> std::io::Result<()> {
-        Self::write_durably(&self.0, &encode(state))
+        let (_, sysctls) = self.parts();
+        Self::write_durably(&self.0, &encode_parts(Some(state), sysctls.as_ref()))
     }
 
     fn location(&self) -> String {
@@ -188,6 +242,43 @@ mod tests {
         assert!(!dir.path().join("sub/state.tmp").exists());
         std::fs::write(&file.0, b"").expect("truncate");
         assert!(matches!(file.load(), Loaded::Corrupt(_)));
+    }
+
+    #[test]
+    fn sysctl_values_live_beside_the_state_and_old_files_still_load() {
+        use crate::node_sysctls::Knob;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut file = StateFile(dir.path().join("state.json"));
+        // An older agent's file (no sysctls field) loads, with nothing replaced.
+        std::fs::write(&file.0, encode(&state())).expect("old file");
+        assert_eq!(file.load(), Loaded::Valid(state()));
+        assert_eq!(file.load_sysctls(), Replaced::default());
+
+        let replaced = Replaced([(Knob::UdpTimeout, 30)].into_iter().collect());
+        file.store_sysctls(&replaced).expect("store sysctls");
+        assert_eq!(file.load(), Loaded::Valid(state()), "the state is kept");
+        assert_eq!(file.load_sysctls(), replaced);
+        let other = SwitchState::active(ProxyMode::Iptables);
+        file.store(&other).expect("store state");
+        assert_eq!(
+            file.load_sysctls(),
+            replaced,
+            "storing the state keeps the sysctls"
+        );
+        assert_eq!(file.load(), Loaded::Valid(other));
+
+        // The checksum covers the sysctls too.
+        let text = std::fs::read_to_string(&file.0).expect("read");
+        std::fs::write(&file.0, text.replace(":30", ":31")).expect("tamper");
+        assert!(matches!(file.load(), Loaded::Corrupt(_)));
+
+        // Sysctls stored before any state: the state reads as absent.
+        let fresh = StateFile(dir.path().join("fresh.json"));
+        fresh.store_sysctls(&replaced).expect("store");
+        assert_eq!(fresh.load(), Loaded::Absent);
+        assert_eq!(fresh.load_sysctls(), replaced);
+        fresh.store_sysctls(&Replaced::default()).expect("clear");
+        assert_eq!(fresh.load_sysctls(), Replaced::default());
     }
 
     #[test]

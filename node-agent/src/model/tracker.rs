@@ -1,21 +1,36 @@
 //! Change tracking (kube-proxy's ServiceChangeTracker / EndpointsChangeTracker idea): keeps the
 //! current Services and EndpointSlices as model values and remembers which Services changed since
 //! the last sync, so a sync can touch only those.
+//!
+//! The `service.kubernetes.io/service-proxy-name` filter is applied here, client-side: every
+//! Service is kept with its label, and only those whose label equals the proxy's name (both absent
+//! for the default proxy) are in the snapshot. [`Tracker::set_proxy_name`] changes the name
+//! without a relist and marks exactly the Services that appear or disappear.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use switchyard_crds::consts::SERVICE_PROXY_NAME_LABEL;
 
 use super::{Changes, DualSnapshot, Endpoint, IpFamily, Protocol, ServiceName, ServicePort, convert};
 
 type SliceKey = (String, String);
 type SliceEndpoints = Vec<((String, Protocol), Vec<Endpoint>)>;
 
+/// A Service as the tracker keeps it: its service-proxy-name label and its ports as the proxy of
+/// that name programs them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TrackedService {
+    label: Option<String>,
+    ports: Vec<ServicePort>,
+}
+
 /// The tracker. Feed it watch events; take a [`Snapshot`] and the [`Changes`] at sync time.
 #[derive(Debug, Default)]
 pub struct Tracker {
     proxy_name: Option<String>,
-    services: BTreeMap<ServiceName, Vec<ServicePort>>,
+    services: BTreeMap<ServiceName, TrackedService>,
     slices: BTreeMap<SliceKey, (ServiceName, SliceEndpoints)>,
     changed: BTreeSet<ServiceName>,
     services_synced: bool,
@@ -35,6 +50,39 @@ impl Tracker {
         self.changed.insert(name);
     }
 
+    /// The ports of `entry` this proxy programs: none for a Service of another proxy.
+    fn visible<'a>(&self, entry: Option<&'a TrackedService>) -> &'a [ServicePort] {
+        match entry {
+            Some(e) if e.label == self.proxy_name => &e.ports,
+            _ => &[],
+        }
+    }
+
+    /// The service-proxy-name this tracker programs Services of (None: the default proxy).
+    pub fn proxy_name(&self) -> Option<&str> {
+        self.proxy_name.as_deref()
+    }
+
+    /// Changes the service-proxy-name (the policy's `serviceProxyName`); marks every Service that
+    /// appears or disappears with it. Returns whether any did.
+    pub fn set_proxy_name(&mut self, proxy_name: Option<String>) -> bool {
+        if proxy_name == self.proxy_name {
+            return false;
+        }
+        let old = std::mem::replace(&mut self.proxy_name, proxy_name);
+        let flipped: Vec<ServiceName> = self
+            .services
+            .iter()
+            .filter(|(_, e)| e.label == old || e.label == self.proxy_name)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let any = !flipped.is_empty();
+        for name in flipped {
+            self.mark(name);
+        }
+        any
+    }
+
     /// A Service was added or updated. Returns whether anything this proxy programs changed.
     pub fn apply_service(&mut self, svc: &Service) -> bool {
         let (Some(namespace), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone())
@@ -42,18 +90,23 @@ impl Tracker {
             return false;
         };
         let key = ServiceName { namespace, name };
-        let ports = convert::service_ports(svc, self.proxy_name.as_deref());
-        let old = self.services.get(&key);
-        if old.map(Vec::as_slice).unwrap_or_default() == ports.as_slice() {
-            return false;
+        let label = svc
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL))
+            .cloned();
+        let ports = convert::service_ports(svc, label.as_deref());
+        let entry = (!ports.is_empty()).then_some(TrackedService { label, ports });
+        let changed = self.visible(self.services.get(&key)) != self.visible(entry.as_ref());
+        match entry {
+            Some(e) => self.services.insert(key.clone(), e),
+            None => self.services.remove(&key),
+        };
+        if changed {
+            self.mark(key);
         }
-        if ports.is_empty() {
-            self.services.remove(&key);
-        } else {
-            self.services.insert(key.clone(), ports);
-        }
-        self.mark(key);
-        true
+        changed
     }
 
     /// A Service was deleted.
@@ -62,11 +115,12 @@ impl Tracker {
             namespace: namespace.into(),
             name: name.into(),
         };
-        if self.services.remove(&key).is_some() {
+        let old = self.services.remove(&key);
+        let changed = !self.visible(old.as_ref()).is_empty();
+        if changed {
             self.mark(key);
-            return true;
         }
-        false
+        changed
     }
 
     /// An EndpointSlice was added or updated.
@@ -105,14 +159,13 @@ impl Tracker {
 
     /// Replaces all Services (a watch relist); marks every added, changed or vanished one.
     pub fn reset_services(&mut self, all: &[Service]) {
-        let before: BTreeSet<ServiceName> = self.services.keys().cloned().collect();
         let old = std::mem::take(&mut self.services);
         for svc in all {
             self.apply_service(svc);
         }
-        for name in before {
-            if old.get(&name) != self.services.get(&name) {
-                self.mark(name);
+        for (name, entry) in &old {
+            if self.visible(Some(entry)) != self.visible(self.services.get(name)) {
+                self.mark(name.clone());
             }
         }
         self.services_synced = true;
@@ -153,8 +206,8 @@ impl Tracker {
     /// each endpoint to the snapshot of its address family.
     pub fn snapshot(&self) -> DualSnapshot {
         let mut dual = DualSnapshot::default();
-        for ports in self.services.values() {
-            for port in ports {
+        for entry in self.services.values() {
+            for port in self.visible(Some(entry)) {
                 dual.get_mut(port.family())
                     .services
                     .insert(port.name.clone(), port.clone());
@@ -184,5 +237,72 @@ impl Tracker {
             }
         }
         dual
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(name: &str, proxy: Option<&str>) -> Service {
+        let labels = proxy.map(|p| serde_json::json!({ SERVICE_PROXY_NAME_LABEL: p }));
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": name, "labels": labels},
+            "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80, "protocol": "TCP"}]},
+        }))
+        .expect("service")
+    }
+
+    fn programmed(t: &Tracker) -> Vec<String> {
+        t.snapshot()
+            .families()
+            .iter()
+            .flat_map(|s| s.services.keys().map(|k| k.service.name.clone()))
+            .collect()
+    }
+
+    fn key(name: &str) -> ServiceName {
+        ServiceName {
+            namespace: "ns".into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn the_proxy_name_filters_services_and_a_new_name_refilters_without_a_relist() {
+        let mut t = Tracker::new(None);
+        t.reset_services(&[service("plain", None), service("named", Some("swy"))]);
+        assert_eq!(
+            programmed(&t),
+            ["plain"],
+            "unnamed proxy: only unlabelled Services"
+        );
+        t.take_changes();
+
+        assert!(t.set_proxy_name(Some("swy".into())));
+        assert_eq!(
+            programmed(&t),
+            ["named"],
+            "named proxy: only Services with its name"
+        );
+        let changed = t.take_changes().services;
+        assert_eq!(changed, [key("plain"), key("named")].into_iter().collect());
+        assert!(
+            !t.set_proxy_name(Some("swy".into())),
+            "the same name changes nothing"
+        );
+
+        // A Service of another proxy comes and goes unseen; one of ours is marked.
+        assert!(!t.apply_service(&service("other", Some("elsewhere"))));
+        assert!(!t.delete_service("ns", "other"));
+        assert!(t.apply_service(&service("second", Some("swy"))));
+        assert_eq!(programmed(&t), ["named", "second"]);
+        // Relabelling away from us removes it.
+        assert!(t.apply_service(&service("second", None)));
+        assert_eq!(programmed(&t), ["named"]);
+
+        assert!(t.set_proxy_name(None));
+        assert_eq!(programmed(&t), ["plain", "second"], "back to the default proxy");
+        assert_eq!(t.proxy_name(), None);
     }
 }

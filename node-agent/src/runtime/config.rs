@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use switchyard_crds::v1alpha1::{Capabilities, ProxyMode, ProxySettings};
+use switchyard_crds::v1alpha1::{Capabilities, ConntrackSettings, ProxyMode, ProxySettings};
 
 use crate::{
     backend::{self, Settings},
@@ -144,6 +144,8 @@ pub struct Config {
     pub localhost_node_ports: bool,
     /// The cluster's Service CIDRs (see [`Settings::service_cidrs`]).
     pub service_cidrs: Vec<IpNet>,
+    /// The conntrack sysctls to set (only a policy sets them; see [`crate::node_sysctls`]).
+    pub conntrack: Option<ConntrackSettings>,
 }
 
 /// The node's InternalIP addresses.
@@ -224,11 +226,25 @@ pub fn parse_cluster_cidrs(value: &str) -> std::result::Result<Vec<IpNet>, Strin
 }
 
 /// The agent's configuration with the governing policy's proxy settings (from NodeProxy spec)
-/// laid over its flags: clusterCIDR, masqueradeAll and nodePortAddresses. Invalid values keep the
-/// flag's value (the CRD validates them, so this only guards against skew).
+/// laid over its flags: clusterCIDR, masqueradeAll, nodePortAddresses, minSyncPeriodSeconds,
+/// syncPeriodSeconds and serviceProxyName (the conntrack settings are applied by
+/// [`crate::node_sysctls`]). A field the policy leaves out keeps the flag's value; invalid values
+/// keep it too (the CRD validates them, so this only guards against skew).
 pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> Config {
     let mut c = config.clone();
     let Some(p) = proxy else { return c };
+    if let Some(seconds) = p.min_sync_period_seconds {
+        c.min_sync_period = Some(Duration::from_secs(u64::from(seconds)));
+    }
+    if let Some(seconds) = p.sync_period_seconds.filter(|s| *s > 0) {
+        c.sync_period = Duration::from_secs(u64::from(seconds));
+    }
+    if let Some(name) = p.service_proxy_name.as_ref().filter(|n| !n.is_empty()) {
+        c.proxy_name = Some(name.clone());
+    }
+    if p.conntrack.is_some() {
+        c.conntrack = p.conntrack.clone();
+    }
     if let Some(Ok(cidrs)) = p.cluster_cidr.as_deref().map(parse_cluster_cidrs) {
         c.cluster_cidrs = cidrs;
     }
@@ -270,6 +286,7 @@ mod tests {
             takeover_kube_proxy: false,
             localhost_node_ports: true,
             service_cidrs: Vec::new(),
+            conntrack: None,
         }
     }
 
@@ -308,6 +325,26 @@ mod tests {
             (unchanged.cluster_cidrs, unchanged.masquerade_all),
             (vec![], false)
         );
+    }
+
+    #[test]
+    fn policy_sync_periods_and_proxy_name_override_the_flags_only_when_set() {
+        let mut flags = config();
+        flags.min_sync_period = None;
+        let proxy = ProxySettings {
+            min_sync_period_seconds: Some(0),
+            sync_period_seconds: Some(2),
+            service_proxy_name: Some("swy".into()),
+            ..Default::default()
+        };
+        let c = with_policy_settings(&flags, Some(&proxy));
+        assert_eq!(c.min_sync_period, Some(Duration::ZERO), "0 is a set bound");
+        assert_eq!(c.sync_period, Duration::from_secs(2));
+        assert_eq!(c.proxy_name.as_deref(), Some("swy"));
+        let absent = with_policy_settings(&flags, Some(&ProxySettings::default()));
+        assert_eq!(absent.min_sync_period, None, "unset: the adaptive limit stays");
+        assert_eq!(absent.sync_period, Duration::from_secs(30));
+        assert_eq!(absent.proxy_name, None);
     }
 
     #[test]

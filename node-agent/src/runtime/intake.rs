@@ -41,6 +41,9 @@ pub(super) struct Shared {
     pub wish: Mutex<Wish>,
     /// The governing policy's proxy settings (from our NodeProxy spec).
     pub proxy_settings: Mutex<Option<ProxySettings>>,
+    /// Our NodeProxy has been listed once: the policy's settings are known (until then the flags'
+    /// stand, and nothing the policy owns is changed or put back).
+    pub spec_listed: AtomicBool,
     /// Our NodeProxy is not known to exist (at start, or it was deleted): register it before the
     /// next report.
     pub needs_registration: AtomicBool,
@@ -60,6 +63,7 @@ impl Shared {
             node: Mutex::new(None),
             wish: Mutex::new(Wish::default()),
             proxy_settings: Mutex::new(None),
+            spec_listed: AtomicBool::new(false),
             needs_registration: AtomicBool::new(true),
             wake: Notify::new(),
             health,
@@ -401,7 +405,8 @@ async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) 
             watcher::Event::Apply(np) | watcher::Event::InitApply(np) => apply_spec(&shared, &np),
             // Deleted under us: the sync loop registers it again and reports at once.
             watcher::Event::Delete(_) => shared.request_registration(),
-            watcher::Event::Init | watcher::Event::InitDone => continue,
+            watcher::Event::InitDone => shared.spec_listed.store(true, Ordering::Relaxed),
+            watcher::Event::Init => continue,
         }
         shared.wake.notify_one();
     }

@@ -2,7 +2,8 @@
 //! sync loop is a short loop over its parts: the [`runner`] paces the syncs, [`sync`] programs the
 //! kernel through the driver with the [`cleaner`]'s conntrack pass, [`step`] advances a switch,
 //! and [`status`] and [`registration`] keep the NodeProxy up to date. [`config`] holds the typed
-//! flags.
+//! flags; the policy's settings that do not reach a backend (sync periods, service-proxy-name,
+//! conntrack [`sysctls`]) are taken before each round.
 
 mod cleaner;
 pub mod config;
@@ -12,11 +13,14 @@ mod runner;
 mod status;
 mod step;
 mod sync;
+mod sysctls;
 
 use std::{sync::Arc, time::Instant};
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
+
+pub use sysctls::restore_from as restore_conntrack_sysctls;
 
 pub use config::{
     CidrList, Config, ModeFlag, NodePortAddresses, PhaseFlag, node_settings, parse_cluster_cidrs,
@@ -72,6 +76,8 @@ pub async fn run(
 struct Input {
     wish: Wish,
     settings: Settings,
+    /// The flags with the policy's settings laid over them.
+    effective: Config,
 }
 
 /// The round's input, once the tracker has listed everything and our Node is known.
@@ -80,13 +86,12 @@ fn read_input(shared: &Shared, config: &Config) -> Option<Input> {
     if !lock(&shared.tracker).synced() || node.is_none() {
         return None;
     }
-    let settings = node_settings(
-        &with_policy_settings(config, lock(&shared.proxy_settings).as_ref()),
-        node.as_ref(),
-    );
+    let effective = with_policy_settings(config, lock(&shared.proxy_settings).as_ref());
+    let settings = node_settings(&effective, node.as_ref());
     Some(Input {
         wish: lock(&shared.wish).clone(),
         settings,
+        effective,
     })
 }
 
@@ -114,6 +119,7 @@ struct SyncLoop {
     health_servers: ServiceHealthServers,
     takeover: registration::Takeover,
     reporter: status::StatusReporter,
+    sysctls: sysctls::ConntrackSysctls,
 }
 
 async fn sync_loop(
@@ -133,6 +139,7 @@ async fn sync_loop(
             config.node_name.clone(),
             config.capabilities.clone(),
         ),
+        sysctls: sysctls::ConntrackSysctls::new(StateFile(config.state_dir.join("state.json"))),
         client,
         config,
         shared,
@@ -145,6 +152,7 @@ async fn sync_loop(
         let Some(input) = read_input(&parts.shared, &parts.config) else {
             continue;
         };
+        parts.take_settings(&input.effective);
         let d = driver
             .take()
             .unwrap_or_else(|| new_driver(&parts.config, &input.settings, &parts.faults));
@@ -153,9 +161,31 @@ async fn sync_loop(
 }
 
 impl SyncLoop {
+    /// Takes the settings that do not go to the backend: the sync pacing, the
+    /// service-proxy-name filter (each logged when it changes) and the conntrack sysctls; only
+    /// once our NodeProxy has been listed, so that a restart does not flap them to the flags'.
+    fn take_settings(&mut self, effective: &Config) {
+        if !self.shared.spec_listed.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if let Some(condition) = self.sysctls.apply(effective.conntrack.as_ref()) {
+            self.reporter.set_condition(sysctls::CONDITION, condition);
+        }
+        let limit = runner::RateLimit::of(effective.min_sync_period);
+        if self.runner.configure(limit, effective.sync_period) {
+            tracing::info!(min_sync_period = ?limit, sync_period = ?effective.sync_period, "sync periods changed");
+        }
+        let name = effective.proxy_name.clone();
+        let mut tracker = lock(&self.shared.tracker);
+        if tracker.proxy_name() != name.as_deref() {
+            let flipped = tracker.set_proxy_name(name.clone());
+            tracing::info!(service_proxy_name = ?name, services_changed = flipped, "service-proxy-name changed");
+        }
+    }
+
     /// One round: sync the tracker's state, then (after a successful sync) step the switch and
     /// report.
-    async fn round(&mut self, mut d: Driver, Input { wish, settings }: Input) -> Result<Driver> {
+    async fn round(&mut self, mut d: Driver, Input { wish, settings, .. }: Input) -> Result<Driver> {
         d.update_settings(settings.clone());
         let full = self.runner.begin(Instant::now());
         let (snapshot, changes) = {

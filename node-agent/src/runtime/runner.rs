@@ -4,8 +4,10 @@
 //! failed sync and an hour without one; while a switch is under way the tick is fast, so the
 //! health gate's probe rounds run every second.
 //!
-//! The minimum period is `--min-sync-period` when it is set (kube-proxy's meaning: it bounds the
-//! rate). Unset, it fits the syncs' real cost ([`RateLimit::Adaptive`]): a change after a quiet
+//! The minimum period and the sync period are the policy's `minSyncPeriodSeconds` and
+//! `syncPeriodSeconds` when its NodeProxy spec sets them, else `--min-sync-period` and
+//! `--sync-period` ([`SyncRunner::configure`] takes a change without a restart). A set minimum
+//! period bounds the rate (kube-proxy's meaning). Unset, it fits the syncs' real cost ([`RateLimit::Adaptive`]): a change after a quiet
 //! spell syncs at once, and a burst is coalesced for [`COALESCE`] or [`COST_FACTOR`] times what
 //! the last sync round cost, whichever is longer, never more than [`ADAPTIVE_MAX`].
 
@@ -71,6 +73,15 @@ impl SyncRunner {
             need_full: true,
             again: false,
         }
+    }
+
+    /// Takes the minimum and the sync period in force now (the policy's or the flags'); returns
+    /// whether they changed. The pacing state (last sync, pending full sync) is kept.
+    pub fn configure(&mut self, limit: RateLimit, period: Duration) -> bool {
+        let changed = (self.limit, self.period) != (limit, period);
+        self.limit = limit;
+        self.period = period;
+        changed
     }
 
     /// How long to wait for a wake before ticking.
@@ -254,6 +265,30 @@ mod tests {
             RateLimit::Fixed(MIN),
             "a set period stays the bound"
         );
+    }
+
+    #[test]
+    fn a_new_period_and_limit_take_effect_without_losing_the_pacing() {
+        let t0 = Instant::now();
+        let mut r = SyncRunner::new(RateLimit::of(None), PERIOD, t0);
+        r.begin(t0);
+        r.succeeded(true, t0);
+        let two = Duration::from_secs(2);
+        assert!(r.configure(RateLimit::of(Some(MIN)), two));
+        assert!(
+            !r.configure(RateLimit::Fixed(MIN), two),
+            "the same again: no change"
+        );
+        assert_eq!(r.tick(false), two, "the idle tick is the new sync period");
+        assert_eq!(r.min_period(), MIN, "a set minimum bounds the rate");
+        assert_eq!(
+            r.hold(t0 + Duration::from_millis(400)),
+            Duration::from_millis(600)
+        );
+        r.ticked(r.tick(false));
+        assert!(r.begin(t0 + two), "an idle new period ends in a full sync");
+        assert!(r.configure(RateLimit::of(None), PERIOD));
+        assert_eq!(r.min_period(), COALESCE, "unset again: adaptive");
     }
 
     #[test]

@@ -194,6 +194,10 @@ pub(super) struct StatusReporter {
     announced: Option<StateProblem>,
     /// The last switch reported before a restart has been read.
     prior_loaded: bool,
+    /// Conditions set by other parts of the loop (the conntrack sysctls'), by type.
+    extra: Vec<Condition>,
+    /// `extra` changed since the last report.
+    extra_dirty: bool,
 }
 
 impl StatusReporter {
@@ -207,7 +211,24 @@ impl StatusReporter {
             reported_conditions: Vec::new(),
             announced: None,
             prior_loaded: false,
+            extra: Vec::new(),
+            extra_dirty: false,
         }
+    }
+
+    /// Sets (`Some`) or drops (`None`) the condition of `type_`, reported with the next status.
+    pub fn set_condition(&mut self, type_: &str, condition: Option<Condition>) {
+        let before = self.extra.clone();
+        self.extra.retain(|c| c.type_ != type_);
+        self.extra.extend(condition);
+        let same = |a: &[Condition], b: &[Condition]| {
+            a.len() == b.len()
+                && a.iter().zip(b).all(|(x, y)| {
+                    (&x.type_, &x.status, &x.reason, &x.message)
+                        == (&y.type_, &y.status, &y.reason, &y.message)
+                })
+        };
+        self.extra_dirty |= !same(&before, &self.extra);
     }
 
     /// Publishes a new state-file problem as a Warning Event (once; retried until it is out).
@@ -248,14 +269,27 @@ impl StatusReporter {
     pub async fn report(&mut self, d: &mut Driver, wish: &Wish, sync: LastSync<'_>) -> bool {
         self.announce(d.state_problem.clone().as_ref()).await;
         let due = self.last_report.is_none_or(|t| t.elapsed() > REPORT_EVERY);
-        if !(d.dirty || due) || !self.load_prior(d).await {
+        if !(d.dirty || due || self.extra_dirty) || !self.load_prior(d).await {
             return false;
         }
-        let status = status(&self.capabilities, d, Some(sync), wish, &self.reported_conditions);
+        let mut status = status(&self.capabilities, d, Some(sync), wish, &self.reported_conditions);
+        for c in &self.extra {
+            let mut c = c.clone();
+            c.observed_generation = wish.generation;
+            if let Some(p) = self
+                .reported_conditions
+                .iter()
+                .find(|p| p.type_ == c.type_ && p.status == c.status)
+            {
+                c.last_transition_time = p.last_transition_time.clone();
+            }
+            status.conditions.push(c);
+        }
         match report::apply_status(&self.client, &self.node, &status).await {
             Ok(()) => {
                 self.reported_conditions = status.conditions;
                 self.last_report = Some(Instant::now());
+                self.extra_dirty = false;
                 d.dirty = false;
                 false
             }
