@@ -6,7 +6,7 @@
 //! host-global `nf_conntrack_max` is refused there and reported in the `ConntrackSysctls`
 //! condition, and every value is put back when the policy drops them), and `syncPeriodSeconds`
 //! (periodic full syncs, counted by `kubeproxy_sync_full_proxy_rules_duration_seconds_count`). The
-//! agent is never restarted.
+//! agent is never restarted; at the end, `--cleanup` puts back the values of a stopped agent.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use switchyard_crds::v1alpha1::NodeProxy;
 use switchyard_e2e::{
     agent::{Agent, TestEnv},
-    eventually, kernel,
+    binaries, eventually, kernel,
     netns::Cluster,
     operator::Operator,
     traffic::http_get,
@@ -212,6 +212,29 @@ async fn settings_dropped(env: &TestEnv, proxies: &Api<NodeProxy>, before: &[Str
     );
 }
 
+/// The policy sets a conntrack value again; the agent stops, and `--cleanup` (with its state
+/// directory) puts the node's value back.
+async fn cleanup_restores(env: &mut TestEnv, before: &[String]) {
+    let node = env.cluster.nodes[0].clone();
+    let netns = node.netns.as_str();
+    apply_policy(env, Some(json!({"conntrack": {"udpTimeoutSeconds": 47}})));
+    until(&env.agents[0], "the UDP timeout set again", || async {
+        (sysctl(netns, KNOBS[0]) == "47").then_some(())
+    })
+    .await;
+    assert!(state_remembers(env, &node.name));
+    let log = env.agents[0].log_text();
+    drop(env.agents.remove(0));
+    assert_eq!(sysctl(netns, KNOBS[0]), "47", "a stopped agent leaves the value");
+    let bin = binaries::workspace_bin("switchyard-agent").expect("agent binary");
+    let state_dir = env.cp.dir().join(format!("state-{}", node.name));
+    let (bin, state_dir) = (bin.display().to_string(), state_dir.display().to_string());
+    Cluster::exec(netns, &[&bin, "--cleanup", "--state-dir", &state_dir])
+        .unwrap_or_else(|e| panic!("--cleanup: {e}\nagent log:\n{log}"));
+    assert_eq!(knobs(netns), before, "--cleanup put the node's values back");
+    assert!(!state_remembers(env, &node.name), "and forgot them");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_settings_reach_the_node_without_a_restart() {
     let (mut env, _operator, proxies) = setup().await;
@@ -284,4 +307,5 @@ async fn policy_settings_reach_the_node_without_a_restart() {
         env.agents[0].exit_status().is_none(),
         "the agent was never restarted"
     );
+    cleanup_restores(&mut env, &before).await;
 }
