@@ -91,13 +91,17 @@ pub struct ProxySettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub masquerade_all: Option<bool>,
 
-    /// Minimum seconds between two syncs of the rules; changes arriving faster are batched.
-    /// Default 1.
+    /// Minimum seconds between two syncs of the rules; changes arriving faster are batched (a
+    /// bound on the rate, as kube-proxy's `--min-sync-period`). Absent: the agent's
+    /// `--min-sync-period`, or, unset there too, a limit fitted to the syncs' cost (a burst
+    /// coalesces over 5 ms or three times the last sync's cost, never more than 1 s). A change
+    /// applies without a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 3600))]
     pub min_sync_period_seconds: Option<u32>,
 
-    /// Seconds between full resyncs that repair drift. Default 30.
+    /// Seconds between full resyncs that repair drift (on an idle node). Absent: the agent's
+    /// `--sync-period` (default 30). A change applies without a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 86400))]
     pub sync_period_seconds: Option<u32>,
@@ -107,13 +111,18 @@ pub struct ProxySettings {
     pub localhost_node_ports: Option<bool>,
 
     /// Handle only Services labelled `service.kubernetes.io/service-proxy-name` with this value.
-    /// Absent: handle only Services without that label, as kube-proxy does.
+    /// Absent: the agent's `--service-proxy-name`, or, unset there too, only Services without
+    /// that label, as kube-proxy does. A change re-filters the Services without a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 63))]
     #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$')").message("proxy.serviceProxyName must be a label value: alphanumerics, '-', '_' or '.', starting and ending alphanumeric"))]
     pub service_proxy_name: Option<String>,
 
-    /// Connection-tracking settings written to the node's sysctls.
+    /// Connection-tracking settings written to the node's sysctls, following kube-proxy's rules.
+    /// The agent remembers each value it replaced (in its state file) and puts it back when the
+    /// policy stops asking or on `--cleanup`. A value the kernel refuses (`nf_conntrack_max` and
+    /// the hash size are host-global: writable only from the node's initial network namespace)
+    /// is left alone and reported in the NodeProxy's `ConntrackSysctls` condition.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conntrack: Option<ConntrackSettings>,
 
