@@ -54,7 +54,10 @@ go 1.25
 require go.etcd.io/etcd/server/v3 $ETCD_VERSION
 MOD
   (cd "$dir" && go mod download go.etcd.io/etcd/server/v3 >"$dir/download.log" 2>&1) || fail_registry "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "$dir/download.log"
-  (cd "$dir" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" go.etcd.io/etcd/server/v3) && mv "$out.tmp" "$out"
+  # Not `build && mv`: a failed command before && does not stop a `set -e` script.
+  (cd "$dir" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" go.etcd.io/etcd/server/v3) \
+    || { echo "switchyard: cannot build etcd $ETCD_VERSION" >&2; exit 1; }
+  mv "$out.tmp" "$out"
   log "etcd ready: $out"
 }
 
@@ -86,7 +89,8 @@ build_kube() {
   for cmd in $KUBE_COMMANDS; do [ -x "$bin/$cmd" ] || pkgs+=("k8s.io/kubernetes/cmd/$cmd"); done
   # One go build for all of them: their packages compile and the binaries link in parallel.
   out=$(mktemp -d "$bin/.build.XXXXXX")
-  (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}")
+  (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}") \
+    || { rm -rf "$out"; echo "switchyard: cannot build $KUBE_COMMANDS $KUBERNETES_VERSION" >&2; exit 1; }
   for pkg in "${pkgs[@]}"; do
     cmd=${pkg##*/}
     mv "$out/$cmd" "$bin/$cmd"
@@ -161,7 +165,9 @@ build_node() {
       mv "$nbin/crictl.tmp" "$nbin/crictl"; log "crictl ready: $nbin/crictl"
     fi
     if [ ! -x "$nbin/swyt-pause" ]; then
-      (cd "$here/pause" && go build -trimpath -ldflags "-s -w" -o "$nbin/swyt-pause.tmp" .) && mv "$nbin/swyt-pause.tmp" "$nbin/swyt-pause"
+      (cd "$here/pause" && go build -trimpath -ldflags "-s -w" -o "$nbin/swyt-pause.tmp" .) \
+        || { echo "switchyard: cannot build the pause binary (scripts/pause)" >&2; exit 1; }
+      mv "$nbin/swyt-pause.tmp" "$nbin/swyt-pause"
       log "swyt-pause ready: $nbin/swyt-pause"
     fi
   fi

@@ -115,7 +115,10 @@ else
 fi
 for b in "$agent_bin" "$operator_bin" "$echo_bin"; do [ -x "$b" ] || die "missing binary $b"; done
 for b in "$agent_bin" "$operator_bin" "$echo_bin"; do
-  ! readelf -lW "$b" | grep -q 'Requesting program interpreter' || die "$b is not static"
+  # The listing first, then the match (a pipe into grep -q could end readelf early, and pipefail
+  # would then read the match as a failure).
+  headers="$(readelf -lW "$b")" || die "readelf cannot read $b"
+  ! grep -q 'Requesting program interpreter' <<<"$headers" || die "$b is not static"
 done
 
 # Build contexts: copies without debug information (the release profile keeps line tables for

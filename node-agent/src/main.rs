@@ -75,7 +75,8 @@ struct Args {
     /// sync's cost, and syncs are never held more than 1 s (kube-proxy's default) apart.
     #[arg(long)]
     min_sync_period: Option<f64>,
-    /// Seconds between full resyncs (and the retry delay after a failure).
+    /// Seconds between full resyncs that repair drift (a failed sync is retried sooner: after the
+    /// minimum period, at least 1 s).
     #[arg(long, default_value_t = 30.0)]
     sync_period: f64,
     /// Address of /healthz and /livez (and /metrics).
@@ -177,9 +178,10 @@ fn runtime_config(
         .nodeport_addresses
         .clone()
         .unwrap_or_else(|| NodePortAddresses::default_for(mode));
-    if !(args.min_sync_period.is_none_or(|p| p >= 0.0) && args.sync_period > 0.0) {
+    let finite_min = args.min_sync_period.is_none_or(|p| p.is_finite() && p >= 0.0);
+    if !(finite_min && args.sync_period.is_finite() && args.sync_period > 0.0) {
         return Err(Error::Config(
-            "--min-sync-period must be >= 0 and --sync-period > 0".into(),
+            "--min-sync-period must be a finite number >= 0 and --sync-period a finite number > 0".into(),
         ));
     }
     Ok(runtime::Config {

@@ -144,23 +144,32 @@ impl StateFile {
         std::fs::File::open(dir)?.sync_all()
     }
 
-    /// Both parts as the file holds them now (none when it is missing or cannot be trusted).
-    fn parts(&self) -> (Option<SwitchState>, Option<Replaced>) {
-        std::fs::read(&self.0)
-            .ok()
-            .and_then(|bytes| decode_parts(&bytes).ok())
-            .unwrap_or_default()
+    /// Both parts as the file holds them now (none when it is missing); an error when it exists
+    /// but cannot be read or trusted.
+    fn parts(&self) -> std::io::Result<(Option<SwitchState>, Option<Replaced>)> {
+        match std::fs::read(&self.0) {
+            Ok(bytes) => decode_parts(&bytes).map_err(std::io::Error::other),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((None, None)),
+            Err(e) => Err(e),
+        }
     }
 
-    /// The conntrack sysctl values the agent replaced, as last stored (none stored: empty).
+    /// The conntrack sysctl values the agent replaced, as last stored (none stored, or a file
+    /// that cannot be trusted: empty).
     pub fn load_sysctls(&self) -> Replaced {
-        self.parts().1.unwrap_or_default()
+        self.parts().ok().and_then(|p| p.1).unwrap_or_default()
     }
 
     /// Stores the replaced sysctl values durably, keeping the switch state (an empty set removes
-    /// the field).
+    /// the field). A file that cannot be trusted is left as it is: judging it (and reporting it)
+    /// is the driver's, which a rewrite without its state would turn into "no state".
     pub fn store_sysctls(&self, sysctls: &Replaced) -> std::io::Result<()> {
-        let (state, _) = self.parts();
+        let (state, _) = self.parts().map_err(|e| {
+            std::io::Error::other(format!(
+                "{} is not overwritten, it cannot be trusted: {e}",
+                self.0.display()
+            ))
+        })?;
         let sysctls = (!sysctls.0.is_empty()).then_some(sysctls);
         Self::write_durably(&self.0, &encode_parts(state.as_ref(), sysctls))
     }
@@ -176,7 +185,7 @@ impl StateStore for StateFile {
     }
 
     fn store(&mut self, state: &SwitchState) -> std::io::Result<()> {
-        let (_, sysctls) = self.parts();
+        let sysctls = self.parts().ok().and_then(|p| p.1);
         Self::write_durably(&self.0, &encode_parts(Some(state), sysctls.as_ref()))
     }
 
@@ -269,8 +278,16 @@ mod tests {
 
         // The checksum covers the sysctls too.
         let text = std::fs::read_to_string(&file.0).expect("read");
-        std::fs::write(&file.0, text.replace(":30", ":31")).expect("tamper");
+        let tampered = text.replace(":30", ":31");
+        std::fs::write(&file.0, &tampered).expect("tamper");
         assert!(matches!(file.load(), Loaded::Corrupt(_)));
+
+        // A file that cannot be trusted is not rewritten by a sysctl store: the driver must
+        // still find it Corrupt (a rewrite without its state would read as Absent).
+        assert!(file.store_sysctls(&replaced).is_err());
+        assert_eq!(std::fs::read_to_string(&file.0).expect("read"), tampered);
+        assert!(matches!(file.load(), Loaded::Corrupt(_)));
+        assert_eq!(file.load_sysctls(), Replaced::default());
 
         // Sysctls stored before any state: the state reads as absent.
         let fresh = StateFile(dir.path().join("fresh.json"));

@@ -292,7 +292,9 @@ async fn policy_settings_reach_the_node_without_a_restart() {
     assert!(refusals >= 1, "the refusal is logged:\n{}", agent.log_text());
 
     // syncPeriodSeconds 2: an idle node fully resyncs every 2 s (with the flag's 30 s, at most two
-    // would fit in the bound).
+    // would fit in the bound). Counted from now, so the syncs the policy's arrival caused do not
+    // count.
+    let base = until(agent, "the full-sync metric", || async { full_syncs(netns) }).await;
     let start = std::time::Instant::now();
     let count = until(agent, "five periodic full syncs", || async {
         full_syncs(netns).filter(|n| *n >= base + 5)

@@ -97,6 +97,9 @@ impl SyncRunner {
     /// The minimum period from the last sync's start to the next one's.
     pub fn min_period(&self) -> Duration {
         match self.limit {
+            // A failed sync retries no sooner than a second even with a minimum period of 0,
+            // so a persistent failure is not a busy loop.
+            RateLimit::Fixed(period) if self.retrying => period.max(ADAPTIVE_MAX),
             RateLimit::Fixed(period) => period,
             RateLimit::Adaptive if self.retrying => ADAPTIVE_MAX,
             RateLimit::Adaptive => (self.last_cost * COST_FACTOR).clamp(COALESCE, ADAPTIVE_MAX),
@@ -208,6 +211,26 @@ mod tests {
         r.failed();
         assert!(r.again, "a failure is retried without a wake");
         assert!(r.begin(t0 + PERIOD + MIN), "and in full");
+    }
+
+    #[test]
+    fn a_failure_retries_after_a_second_even_with_a_zero_minimum() {
+        let t0 = Instant::now();
+        let mut r = SyncRunner::new(RateLimit::Fixed(Duration::ZERO), PERIOD, t0);
+        r.begin(t0);
+        r.failed();
+        assert_eq!(
+            r.min_period(),
+            ADAPTIVE_MAX,
+            "no busy loop on a persistent failure"
+        );
+        r.begin(t0 + ADAPTIVE_MAX);
+        r.succeeded(true, t0 + ADAPTIVE_MAX);
+        assert_eq!(
+            r.min_period(),
+            Duration::ZERO,
+            "the set minimum again once a sync succeeds"
+        );
     }
 
     #[test]

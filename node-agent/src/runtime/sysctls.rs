@@ -41,9 +41,21 @@ fn current() -> BTreeMap<Knob, u64> {
         .collect()
 }
 
-/// The CPUs this agent may run on (kube-proxy's `runtime.NumCPU()`).
+/// The CPUs this agent may run on, as kube-proxy's `runtime.NumCPU()` counts them: the CPU
+/// affinity mask, not a cgroup CPU quota (which `available_parallelism` would follow, giving a
+/// pod with a CPU limit a smaller table than kube-proxy).
 fn cores() -> u32 {
-    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+    let affinity = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).ok();
+    let count = affinity.map_or(0, |set| {
+        (0..nix::sched::CpuSet::count())
+            .filter(|cpu| set.is_set(*cpu).unwrap_or(false))
+            .count()
+    });
+    if count > 0 {
+        u32::try_from(count).unwrap_or(u32::MAX)
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+    }
 }
 
 /// Why a refused knob stays as it is, for the log and the condition.
