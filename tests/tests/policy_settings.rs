@@ -247,7 +247,7 @@ async fn policy_settings_reach_the_node_without_a_restart() {
     let host_max = host_conntrack_max(netns);
     let before = knobs(netns);
     assert_eq!(before[1], "0", "tcp_be_liberal starts off");
-    let base = until(agent, "the full-sync metric", || async { full_syncs(netns) }).await;
+    until(agent, "the full-sync metric", || async { full_syncs(netns) }).await;
 
     // Every field set in the policy.
     let proxy = json!({"serviceProxyName": PROXY_NAME, "syncPeriodSeconds": 2, "minSyncPeriodSeconds": 0,
