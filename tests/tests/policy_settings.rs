@@ -222,7 +222,12 @@ async fn cleanup_restores(env: &mut TestEnv, before: &[String]) {
         (sysctl(netns, KNOBS[0]) == "47").then_some(())
     })
     .await;
-    assert!(state_remembers(env, &node.name));
+    // The agent stores what it replaced right after the write: wait for the file, not just the
+    // kernel value.
+    until(&env.agents[0], "the replaced value in the state file", || async {
+        state_remembers(env, &node.name).then_some(())
+    })
+    .await;
     let log = env.agents[0].log_text();
     drop(env.agents.remove(0));
     assert_eq!(sysctl(netns, KNOBS[0]), "47", "a stopped agent leaves the value");
