@@ -3,7 +3,7 @@
 //! Clients for an admin and for any service account. Stopped and removed on drop.
 
 use std::{
-    net::{IpAddr, Ipv4Addr, TcpListener},
+    net::{IpAddr, Ipv4Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -32,11 +32,6 @@ pub const SERVICE_CIDR: &str = "10.96.0.0/16";
 /// IPv6 Service CIDR of the (dual-stack) test cluster.
 pub const SERVICE_CIDR6: &str = "fd00:10:96::/112";
 
-fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(io_err("bind free port"))?;
-    Ok(l.local_addr().map_err(io_err("local addr"))?.port())
-}
-
 /// A running etcd + kube-apiserver.
 pub struct ControlPlane {
     dir: PathBuf,
@@ -56,7 +51,26 @@ impl ControlPlane {
 
     /// Like [`ControlPlane::start`], with extra kube-apiserver flags (later flags win, so these
     /// can also override the defaults).
+    ///
+    /// A start that fails because a port was taken meanwhile (by a process outside this test) is
+    /// tried again on fresh ports, up to three times.
     pub async fn start_with(extra_apiserver_args: &[String]) -> Result<Self> {
+        const ATTEMPTS: usize = 3;
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(extra_apiserver_args).await {
+                Err(Error::Prerequisite(why))
+                    if why.contains("address already in use") && attempt < ATTEMPTS =>
+                {
+                    eprintln!("control plane start {attempt}/{ATTEMPTS} lost a port, again: {why}");
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(extra_apiserver_args: &[String]) -> Result<Self> {
         sweep::sweep_leftovers();
         let bin = binaries::control_plane_bin()?;
         let (pid, seq) = sweep::next_id();
@@ -88,7 +102,10 @@ impl ControlPlane {
         ] {
             std::fs::write(cp.dir.join(name), body).map_err(io_err(format!("write {name}")))?;
         }
-        let (client_port, peer_port) = (free_port()?, free_port()?);
+        let (client_port, peer_port) = (
+            crate::ports::free_loopback_port()?,
+            crate::ports::free_loopback_port()?,
+        );
         let d = cp.dir.display().to_string();
         cp.spawn(
             "etcd",
@@ -104,7 +121,7 @@ impl ControlPlane {
                 "--log-level=warn",
             ],
         )?;
-        cp.port = free_port()?;
+        cp.port = crate::ports::free_loopback_port()?;
         let base: &[&str] = &[
             &format!("--etcd-servers=http://127.0.0.1:{client_port}"),
             "--bind-address=127.0.0.1",

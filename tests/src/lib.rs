@@ -20,6 +20,7 @@ pub mod netns;
 pub mod objects;
 pub mod operator;
 pub mod pki;
+pub mod ports;
 pub mod scale;
 pub mod stats;
 pub mod sweep;

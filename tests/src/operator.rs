@@ -49,10 +49,7 @@ impl Operator {
             &format!("https://127.0.0.1:{}", cp.port),
             Credential::Token(token),
         )?;
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err("bind free port"))?;
-            l.local_addr().map_err(io_err("local addr"))?.port()
-        };
+        let port = crate::ports::free_loopback_port()?;
         let log = cp.dir().join(format!("operator-{identity}.log"));
         let out = std::fs::File::create(&log).map_err(io_err("operator log"))?;
         let err = out.try_clone().map_err(io_err("operator log"))?;

@@ -220,10 +220,7 @@ struct LateOperator {
 
 impl LateOperator {
     fn spawn(kubeconfig: &std::path::Path, log: std::path::PathBuf) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let port = switchyard_e2e::ports::free_loopback_port().expect("free port");
         let out = std::fs::File::create(&log).expect("log");
         let child = std::process::Command::new(
             switchyard_e2e::binaries::workspace_bin("switchyard-operator").expect("operator binary"),

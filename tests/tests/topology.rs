@@ -3,7 +3,7 @@
 //! usable at once (none tentative), `swy-echo` answers on both families (IPv4 peers printed as
 //! plain `a.b.c.d:port`), and nothing of it reaches the root namespace.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 
 use switchyard_e2e::{
     Family,
@@ -23,10 +23,7 @@ fn root_state() -> String {
 #[test]
 fn dual_stack_topology_routes_both_families_inside_the_namespaces_only() {
     // No apiserver here: the fabric's forwarder gets a port nothing listens on.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = switchyard_e2e::ports::free_loopback_port().expect("free port");
     let cluster = Cluster::create(2, 2, port).expect("2 namespace nodes");
     let (n1, n2) = (&cluster.nodes[0], &cluster.nodes[1]);
     assert_eq!(n1.ip6.to_string(), "fd00:10:250::11");
