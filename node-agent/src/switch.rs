@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use switchyard_crds::v1alpha1::ProxyMode;
+use switchyard_crds::v1alpha1::{ProxyMode, SwitchOutcome};
 
 /// Phase of the switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -195,7 +195,7 @@ pub struct Recovery {
     /// State after recovery (always Active).
     pub state: SwitchState,
     /// A result to report, if the interrupted switch is over.
-    pub result: Option<(&'static str, String)>,
+    pub result: Option<(SwitchOutcome, String)>,
 }
 
 /// Recovers from a persisted state: Cleaning finishes forward (the gate had passed); any earlier
@@ -231,7 +231,7 @@ pub fn recover(persisted: &SwitchState) -> Recovery {
                 restarts: 0,
             },
             result: Some((
-                "Succeeded",
+                SwitchOutcome::Succeeded,
                 "switch completed after an agent restart during cleaning".into(),
             )),
         },
@@ -255,7 +255,7 @@ pub fn recover(persisted: &SwitchState) -> Recovery {
                 },
                 result: give_up.then(|| {
                     (
-                        "Failed",
+                        SwitchOutcome::Failed,
                         format!("the agent restarted {restarts} times during the switch (last in {phase:?})"),
                     )
                 }),
@@ -273,7 +273,7 @@ pub struct Start {
     /// `(reason, message)` for status and an Event.
     pub problem: Option<(&'static str, String)>,
     /// A switch result to report: a switch the file missed the end of.
-    pub result: Option<(&'static str, String)>,
+    pub result: Option<(SwitchOutcome, String)>,
 }
 
 fn modes_text(modes: &[ProxyMode]) -> String {
@@ -388,7 +388,7 @@ fn start_from(
     Start {
         result: finished.then(|| {
             (
-                "Succeeded",
+                SwitchOutcome::Succeeded,
                 "the switch had finished (the kernel serves only its target); the state file missed its end"
                     .to_owned(),
             )
@@ -609,12 +609,12 @@ mod tests {
         let r = recover(&st(Phase::Cleaning, Iptables, Some(Nftables)));
         assert_eq!((r.serve, r.remove.clone()), (Nftables, vec![Iptables, Ipvs]));
         assert_eq!(r.state.answered.as_deref(), Some("t1"));
-        assert_eq!(r.result.map(|x| x.0), Some("Succeeded"));
+        assert_eq!(r.result.map(|x| x.0), Some(SwitchOutcome::Succeeded));
         let r = recover(&SwitchState {
             restarts: MAX_RESTARTS - 1,
             ..st(Phase::Verifying, Iptables, Some(Nftables))
         });
-        assert_eq!(r.result.map(|x| x.0), Some("Failed"));
+        assert_eq!(r.result.map(|x| x.0), Some(SwitchOutcome::Failed));
         assert_eq!(
             r.state.answered.as_deref(),
             Some("t1"),

@@ -22,7 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchPhase};
+use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchOutcome, SwitchPhase};
 
 pub use parts::{
     BackendFactory, FaultHook, KernelBackends, NoFaults, PROBE_EVERY, Parts, PauseAfter, Prober, TcpProber,
@@ -43,8 +43,8 @@ pub struct Finished {
     pub from: ProxyMode,
     /// Mode requested.
     pub to: ProxyMode,
-    /// `Succeeded`, `RolledBack` or `Failed`.
-    pub result: &'static str,
+    /// How it ended (never [`SwitchOutcome::Unknown`]).
+    pub result: SwitchOutcome,
     /// Why.
     pub reason: String,
     /// Token answered.
@@ -249,7 +249,7 @@ impl Driver {
         &mut self,
         from: ProxyMode,
         to: ProxyMode,
-        result: &'static str,
+        result: SwitchOutcome,
         reason: String,
         token: Option<String>,
     ) {
@@ -408,7 +408,7 @@ impl Driver {
         };
         if self.commit(answered) {
             let (from, token) = (self.state.active, self.state.answered.clone());
-            self.finish(from, to, "Failed", reason, token);
+            self.finish(from, to, SwitchOutcome::Failed, reason, token);
         }
         false
     }
@@ -524,7 +524,13 @@ impl Driver {
         self.settle(to, token.clone());
         self.persist(); // after the effect: retried before the next step on failure
         tracing::info!(%from, %to, "switch: done");
-        self.finish(from, to, "Succeeded", "health gate passed".into(), token);
+        self.finish(
+            from,
+            to,
+            SwitchOutcome::Succeeded,
+            "health gate passed".into(),
+            token,
+        );
         false
     }
 
@@ -565,7 +571,7 @@ impl Driver {
         self.settle(from, token.clone());
         self.cut_over_at = None;
         self.persist(); // after the effect: retried before the next step on failure
-        self.finish(from, to, "RolledBack", reason, token);
+        self.finish(from, to, SwitchOutcome::RolledBack, reason, token);
         false
     }
 }

@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode};
+use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchOutcome};
 
 use super::{BackendFactory, Driver, FaultHook, Parts, Prober};
 use crate::{
@@ -400,7 +400,10 @@ fn a_switch_stores_each_phase_before_its_effect_and_cuts_over_make_before_break(
     assert_eq!((d.state.active, d.state.phase), (NFT, Phase::Active));
     assert_eq!(d.state.answered.as_deref(), Some("to-nftables"));
     let last = d.last.as_ref().expect("finished");
-    assert_eq!((last.from, last.to, last.result), (IPT, NFT, "Succeeded"));
+    assert_eq!(
+        (last.from, last.to, last.result.clone()),
+        (IPT, NFT, SwitchOutcome::Succeeded)
+    );
     assert!(last.started.is_some());
     // Answered: the same wish starts nothing.
     assert!(!rig.step(&desired, &gate));
@@ -473,7 +476,7 @@ fn a_target_that_cannot_be_programmed_is_rolled_back_and_removed() {
     );
     assert_eq!(rig.programmed(), BTreeMap::from([(IPT, false)]));
     let last = rig.driver.last.clone().expect("finished");
-    assert_eq!(last.result, "RolledBack");
+    assert_eq!(last.result, SwitchOutcome::RolledBack);
     assert!(
         last.reason.contains("programming nftables failed"),
         "{}",
@@ -507,7 +510,7 @@ fn failing_probe_rounds_roll_back_at_the_threshold() {
     assert!(!rig.step(&desired, &gate));
     assert_eq!(with(&rig.probes, |p| p.rounds), 2);
     let last = rig.driver.last.clone().expect("finished");
-    assert_eq!(last.result, "RolledBack");
+    assert_eq!(last.result, SwitchOutcome::RolledBack);
     assert!(last.reason.contains("2 consecutive"), "{}", last.reason);
     assert_eq!(rig.programmed(), BTreeMap::from([(IPT, false)]));
 }
@@ -536,7 +539,7 @@ fn an_unsupported_mode_is_refused_once_without_touching_the_kernel() {
     let step = |d: &mut Driver| d.step(Some(&want(IPVS)), &supported, &gate(0, 3), &snapshot, &[]);
     assert!(!step(&mut rig.driver));
     let last = rig.driver.last.clone().expect("answered");
-    assert_eq!((last.to, last.result), (IPVS, "Failed"));
+    assert_eq!((last.to, last.result), (IPVS, SwitchOutcome::Failed));
     assert!(last.reason.contains("cannot run ipvs"), "{}", last.reason);
     assert_eq!(rig.driver.state.answered.as_deref(), Some("to-ipvs"));
     rig.driver.last = None;
@@ -561,7 +564,10 @@ fn a_restart_during_cleaning_finishes_the_switch_forward() {
     let d = &rig.driver;
     assert_eq!((d.state.active, d.state.phase), (NFT, Phase::Active));
     assert_eq!(d.state.answered.as_deref(), Some("t1"));
-    assert_eq!(d.last.as_ref().map(|l| l.result), Some("Succeeded"));
+    assert_eq!(
+        d.last.as_ref().map(|l| l.result.clone()),
+        Some(SwitchOutcome::Succeeded)
+    );
     assert!(d.state_problem.is_none());
 }
 

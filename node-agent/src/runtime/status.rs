@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{Api, Client};
 use switchyard_crds::v1alpha1::{
-    Capabilities, NodeProxy, NodeProxyStatus, SwitchResult, SyncStats as StatusSync,
+    Capabilities, HEALTHY_CONDITION, HealthyReason, NodeProxy, NodeProxyStatus, SwitchOutcome, SwitchResult,
+    SyncStats as StatusSync,
 };
 
 use super::{intake::Wish, registration};
@@ -59,18 +60,30 @@ fn healthy_condition(driver: &Driver, wish: &Wish) -> Condition {
         .as_ref()
         .is_none_or(|d| d.mode == driver.state.active)
         && !driver.switching();
-    let healthy = at_desired && (last.is_none_or(|l| !current || l.result == "Succeeded"));
-    let healthy_condition =
-        |ok, reason: &str, message| condition("Healthy", ok, reason, message, wish.generation);
+    let succeeded = |l: &Finished| l.result == SwitchOutcome::Succeeded;
+    let healthy = at_desired && (last.is_none_or(|l| !current || succeeded(l)));
+    let healthy_condition = |ok, reason: HealthyReason, message| {
+        condition(HEALTHY_CONDITION, ok, reason.as_str(), message, wish.generation)
+    };
     match (healthy, last) {
-        (true, Some(l)) if current => {
-            healthy_condition(true, "GatePassed", format!("{} active; health gate passed", l.to))
+        (true, Some(l)) if current => healthy_condition(
+            true,
+            HealthyReason::GatePassed,
+            format!("{} active; health gate passed", l.to),
+        ),
+        (true, _) => healthy_condition(
+            true,
+            HealthyReason::Active,
+            format!("{} active", driver.state.active),
+        ),
+        (false, Some(l)) if current && !succeeded(l) => {
+            healthy_condition(false, HealthyReason::from(&l.result), l.reason.clone())
         }
-        (true, _) => healthy_condition(true, "Active", format!("{} active", driver.state.active)),
-        (false, Some(l)) if current && l.result != "Succeeded" => {
-            healthy_condition(false, l.result, l.reason.clone())
-        }
-        (false, _) => healthy_condition(false, "Switching", format!("switch phase {:?}", driver.phase())),
+        (false, _) => healthy_condition(
+            false,
+            HealthyReason::Switching,
+            format!("switch phase {:?}", driver.phase()),
+        ),
     }
 }
 
@@ -98,7 +111,7 @@ fn last_switch(l: &Finished) -> SwitchResult {
     SwitchResult {
         from: Some(l.from),
         to: l.to,
-        result: l.result.into(),
+        result: l.result.as_str().to_owned(),
         reason: Some(l.reason.clone()),
         rollout_token: l.token.clone(),
         started_at: l.started.map(Time),
@@ -164,10 +177,10 @@ async fn previous_switch(client: &Client, node: &str) -> Result<Option<Finished>
     let Some(last) = np.and_then(|np| np.status).and_then(|s| s.last_switch) else {
         return Ok(None);
     };
-    let result: &'static str = match last.result.as_str() {
-        "Succeeded" => "Succeeded",
-        "RolledBack" => "RolledBack",
-        _ => "Failed",
+    // A string this agent does not know (another version's) reads as a failure, as before.
+    let result = match last.outcome() {
+        SwitchOutcome::Unknown(_) => SwitchOutcome::Failed,
+        known => known,
     };
     Ok(Some(Finished {
         from: last.from.unwrap_or(last.to),

@@ -1134,8 +1134,8 @@ mod vm {
         times.total = t0.elapsed();
         let last = d.last.clone().unwrap();
         assert_eq!(
-            (last.result, d.state.active),
-            ("Succeeded", to),
+            (last.result.clone(), d.state.active),
+            (switchyard_crds::v1alpha1::SwitchOutcome::Succeeded, to),
             "{last:?}; probes {:?}",
             d.probes
         );
