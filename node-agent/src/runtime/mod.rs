@@ -15,7 +15,10 @@ mod step;
 mod sync;
 mod sysctls;
 
-use std::{sync::Arc, time::Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
@@ -108,6 +111,13 @@ fn new_driver(config: &Config, settings: &Settings, faults: &Arc<dyn FaultHook>)
     Driver::with_parts(parts, config.mode, settings.clone())
 }
 
+/// How long the first sync waits, once Services and the Node are listed, for our NodeProxy to be
+/// listed too: its policy settings (NodePort addresses, masquerading, the service-proxy-name
+/// filter) must shape the first ruleset after a restart, or the data plane would flap to the
+/// flags' settings and back. Bounded, so that a NodeProxy watch that cannot list (a missing CRD,
+/// RBAC) delays the node's first rules by this much, not forever.
+const SPEC_WAIT: Duration = Duration::from_secs(10);
+
 /// The sync loop's parts, kept across rounds.
 struct SyncLoop {
     client: Client,
@@ -120,6 +130,8 @@ struct SyncLoop {
     takeover: registration::Takeover,
     reporter: status::StatusReporter,
     sysctls: sysctls::ConntrackSysctls,
+    /// Until when the first sync waits for our NodeProxy ([`SPEC_WAIT`]); set when it starts to.
+    spec_deadline: Option<Instant>,
 }
 
 async fn sync_loop(
@@ -140,6 +152,7 @@ async fn sync_loop(
             config.capabilities.clone(),
         ),
         sysctls: sysctls::ConntrackSysctls::new(StateFile(config.state_dir.join("state.json"))),
+        spec_deadline: None,
         client,
         config,
         shared,
@@ -152,6 +165,9 @@ async fn sync_loop(
         let Some(input) = read_input(&parts.shared, &parts.config) else {
             continue;
         };
+        if driver.is_none() && parts.await_spec().await {
+            continue;
+        }
         parts.take_settings(&input.effective);
         let d = driver
             .take()
@@ -161,6 +177,29 @@ async fn sync_loop(
 }
 
 impl SyncLoop {
+    /// Before the first sync: whether to wait (a while, or until a wake) for our NodeProxy to be
+    /// listed; past [`SPEC_WAIT`] the first sync goes ahead with the flags' settings.
+    async fn await_spec(&mut self) -> bool {
+        if self.shared.spec_listed.load(std::sync::atomic::Ordering::Relaxed) {
+            return false;
+        }
+        let now = Instant::now();
+        let deadline = *self.spec_deadline.get_or_insert(now + SPEC_WAIT);
+        if now >= deadline {
+            tracing::warn!(
+                waited = ?SPEC_WAIT,
+                "our NodeProxy is not listed yet: the first sync uses the flags' settings"
+            );
+            return false;
+        }
+        tokio::select! {
+            _ = self.shared.wake.notified() => {}
+            _ = tokio::time::sleep(deadline - now) => {}
+        }
+        self.runner.again();
+        true
+    }
+
     /// Takes the settings that do not go to the backend: the sync pacing, the
     /// service-proxy-name filter (each logged when it changes) and the conntrack sysctls; only
     /// once our NodeProxy has been listed, so that a restart does not flap them to the flags'.
