@@ -9,7 +9,10 @@
 
 use std::{
     collections::BTreeMap,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant, SystemTime},
 };
 
@@ -28,7 +31,8 @@ use crate::{metrics::Metrics, model::ServiceName};
 #[derive(Debug)]
 pub struct ProxyHealth {
     inner: Mutex<HealthState>,
-    timeout: Duration,
+    /// The health timeout in milliseconds; follows the sync period (see [`ProxyHealth::set_timeout`]).
+    timeout_ms: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -77,8 +81,18 @@ impl ProxyHealth {
                 node_eligible: true,
                 api_failing: BTreeMap::new(),
             }),
-            timeout,
+            timeout_ms: AtomicU64::new(millis(timeout)),
         }
+    }
+
+    /// A new timeout (the sync period changed: kube-proxy's is 2 × syncPeriod).
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ms.store(millis(timeout), Ordering::Relaxed);
+    }
+
+    /// The current timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut HealthState) -> T) -> T {
@@ -111,7 +125,7 @@ impl ProxyHealth {
     /// Current health.
     pub fn view(&self) -> HealthView {
         self.with(|s| HealthView {
-            healthy: s.oldest_pending.is_none_or(|t| t.elapsed() < self.timeout),
+            healthy: s.oldest_pending.is_none_or(|t| t.elapsed() < self.timeout()),
             node_eligible: s.node_eligible,
         })
     }
@@ -389,5 +403,27 @@ impl ServiceHealthServers {
                 }),
             );
         }
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pending_update_older_than_the_timeout_is_unhealthy_and_the_timeout_follows_changes() {
+        let health = ProxyHealth::new(Duration::from_secs(60));
+        assert!(health.view().healthy, "nothing pending");
+        health.queued();
+        assert!(health.view().healthy, "pending for less than 60 s");
+        health.set_timeout(Duration::ZERO);
+        assert_eq!(health.timeout(), Duration::ZERO);
+        assert!(!health.view().healthy, "pending for longer than a zero timeout");
+        health.updated();
+        assert!(health.view().healthy, "a sync clears what was pending");
     }
 }

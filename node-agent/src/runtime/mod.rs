@@ -213,6 +213,8 @@ impl SyncLoop {
         let limit = runner::RateLimit::of(effective.min_sync_period);
         if self.runner.configure(limit, effective.sync_period) {
             tracing::info!(min_sync_period = ?limit, sync_period = ?effective.sync_period, "sync periods changed");
+            // kube-proxy's health timeout: 2 × syncPeriod.
+            self.shared.health.set_timeout(effective.sync_period * 2);
         }
         let name = effective.proxy_name.clone();
         let mut tracker = lock(&self.shared.tracker);
