@@ -16,3 +16,10 @@ pub const NODE_NAME_CLAIM: &str = "authentication.kubernetes.io/node-name";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// Label on a NodeProxy naming the ProxyPolicy that currently governs it.
 pub const POLICY_LABEL: &str = "switchyard.dev/policy";
+/// Label the operator sets on a Node while another service proxy serves it (mode `external`, or
+/// until the agent reports one of Switchyard's modes active after it). The other proxy's DaemonSet
+/// selects on it (`nodeSelector: {switchyard.dev/service-proxy: external}`), the way Calico steers
+/// kube-proxy with a node selector.
+pub const SERVICE_PROXY_LABEL: &str = "switchyard.dev/service-proxy";
+/// Value of [`SERVICE_PROXY_LABEL`] on a node handed to another proxy.
+pub const SERVICE_PROXY_EXTERNAL: &str = "external";

@@ -17,7 +17,10 @@ use std::fmt::Write as _;
 use k8s_openapi::{api::core::v1::Node, jiff::Timestamp};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use switchyard_crds::v1alpha1::{NodeProxy, ProxyPolicy, ProxyPolicyStatus, WaveState};
+use switchyard_crds::{
+    consts::{SERVICE_PROXY_EXTERNAL, SERVICE_PROXY_LABEL},
+    v1alpha1::{NodeProxy, ProxyMode, ProxyPolicy, ProxyPolicyStatus, WaveState},
+};
 use switchyard_planner::{self as planner, APPROVE_PREFIX, NodeInput, NodeProxyInput, PolicyInput};
 
 pub use switchyard_planner::ROLLBACK_ANNOTATION;
@@ -290,12 +293,22 @@ fn dash(v: Option<&str>) -> String {
     v.filter(|s| !s.is_empty()).unwrap_or("-").to_owned()
 }
 
+/// What mode `external` does, for the plan and status of a policy that hands nodes over.
+fn external_note() -> String {
+    format!(
+        "note: mode external hands the nodes to another service proxy: each is labelled {SERVICE_PROXY_LABEL}={SERVICE_PROXY_EXTERNAL} (that proxy's DaemonSet must select it), and its agent removes Switchyard's rules once Services answer through the other proxy\n"
+    )
+}
+
 /// The plan as people read it: a header, the waves with their nodes, every node.
 pub fn render_plan(r: &PlanReport) -> String {
     let mut out = format!(
         "ProxyPolicy {} → {} (generation {}): {} — {}\n",
         r.policy, r.mode, r.generation, r.phase, r.message
     );
+    if r.mode == ProxyMode::External.as_str() {
+        out.push_str(&external_note());
+    }
     if !r.exact_order {
         out.push_str("note: the policy is not in the cluster yet; the order of nodes inside waves is seeded by the UID it gets when applied, so only wave sizes and nodes chosen by wave selectors are exact until then\n");
     }
@@ -376,6 +389,9 @@ pub fn render_status(p: &ProxyPolicy) -> String {
     );
     if s.observed_generation != Some(generation) {
         out.push_str("note: the operator has not observed the latest spec yet\n");
+    }
+    if p.spec.mode.is_external() {
+        out.push_str(&external_note());
     }
     let _ = writeln!(
         out,
@@ -581,6 +597,25 @@ spec:
         assert!(wave_to_approve(&p, Some("nope")).is_err());
         assert_eq!(wave_to_approve(&p, Some("canary")).unwrap(), "canary");
         assert!(wave_to_approve(&p, None).is_err(), "no status yet");
+    }
+
+    #[test]
+    fn plans_a_hand_over_to_another_proxy() {
+        let text = POLICY.replace("mode: nftables", "mode: external");
+        let policies = policies_from_yaml("x.yaml", &text).unwrap();
+        let nodes: Vec<Node> = ["n1", "n2"].into_iter().map(node).collect();
+        let now: Timestamp = "2025-01-06T12:00:00Z".parse().unwrap();
+        let r = plan_for(&policies[0], &[], &nodes, &[], now).unwrap();
+        assert_eq!(r.mode, "external");
+        assert_eq!(r.nodes.len(), 2);
+        let plan = render_plan(&r);
+        assert!(
+            plan.contains("→ external") && plan.contains("switchyard.dev/service-proxy=external"),
+            "{plan}"
+        );
+        let mut p = policies.into_iter().next().unwrap();
+        p.status = Some(ProxyPolicyStatus::default());
+        assert!(render_status(&p).contains("another service proxy"));
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! (kube-proxy never deletes its rules on exit, KEP-2448): its nftables tables and its iptables
 //! chains, in both iptables variants and both IP families, in tables filter, nat and mangle. Chains
 //! kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`, `KUBE-IPTABLES-HINT`, `KUBE-MARK-DROP`)
-//! are kept, as kube-proxy's own cleanup keeps them.
+//! are kept, as kube-proxy's own cleanup keeps them. [`kube_proxy_found`] tells, read only,
+//! whether kube-proxy serves the node (mode `external` waits for it before bypassing Switchyard).
 
 use crate::{
     model::IpFamily,
@@ -64,6 +65,32 @@ pub fn removal_input(table: &str, save: &str) -> String {
     }
     out.push_str("COMMIT\n");
     out
+}
+
+/// What of kube-proxy's serving objects this network namespace holds (IPv4, which kube-proxy
+/// always programs): its `kube-proxy` nftables table, or `KUBE-SERVICES` in the nat table of
+/// either iptables variant. Read only. Empty: kube-proxy has not synced here (or is another proxy
+/// Switchyard does not recognise). Unreadable parts count as absent.
+pub fn kube_proxy_found() -> Vec<String> {
+    let mut found = Vec::new();
+    if sys::nft::other_table_exists(IpFamily::V4.nfproto(), "kube-proxy").unwrap_or(false) {
+        found.push("nftables table ip kube-proxy".to_owned());
+    }
+    for variant in [Variant::Legacy, Variant::Nft] {
+        let ipt = Iptables::new(variant, None).for_family(IpFamily::V4);
+        let Ok(save) = ipt.save(Table::Nat) else { continue };
+        if has_chain(&save, "KUBE-SERVICES") {
+            found.push(format!("{} nat KUBE-SERVICES", ipt.binary("iptables")));
+        }
+    }
+    found
+}
+
+/// Whether an `iptables-save` output declares `chain`.
+fn has_chain(save: &str, chain: &str) -> bool {
+    save.lines()
+        .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
+        .any(|c| c == chain)
 }
 
 /// Removes kube-proxy's leftovers from this network namespace; returns what it removed, and the
@@ -129,6 +156,16 @@ mod tests {
             ),
             ""
         );
+    }
+
+    #[test]
+    fn kube_proxys_service_chain_is_recognised_not_kubelets() {
+        let save =
+            "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-MARK-DROP - [0:0]\n:KUBE-SERVICES - [0:0]\nCOMMIT\n";
+        assert!(has_chain(save, "KUBE-SERVICES"));
+        let kubelet_only =
+            "*nat\n:KUBE-MARK-DROP - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n-A X -j KUBE-SERVICES\nCOMMIT\n";
+        assert!(!has_chain(kubelet_only, "KUBE-SERVICES"), "a jump is no chain");
     }
 
     #[test]

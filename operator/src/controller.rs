@@ -503,6 +503,8 @@ async fn reconcile_policy(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result
             apply_node_proxy(&ctx, &name, write).await?;
         }
     }
+    // After the specs: a node asked for `external` is labelled so the other proxy can start there.
+    crate::node_labels::apply(&ctx, &nodes, &proxies, &pp.writes).await?;
     let previous = policies
         .iter()
         .find(|p| p.name == name)

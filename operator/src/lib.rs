@@ -47,6 +47,8 @@
 //!   Controller, `/healthz` and `/metrics`.
 //! - [`lease`]: leader election that survives the API going away; [`retry`]: the short watch
 //!   backoff and the API reachability shown on `/healthz` and `/metrics`.
+//! - [`node_labels`]: the Node label `switchyard.dev/service-proxy=external` that lets another
+//!   proxy's DaemonSet start on nodes handed to it (mode `external`).
 //! - [`fleet`]: releasing nodes whose policy is gone ([`planner::lifecycle`] documents the outcome)
 //!   and restoring the spec of re-created NodeProxies.
 //! - [`decode`]: typed views of untyped watches (one undecodable object never fails a list).
@@ -70,6 +72,7 @@ pub mod error;
 pub mod fleet;
 pub mod lease;
 pub mod metrics;
+pub mod node_labels;
 pub use switchyard_planner as planner;
 pub mod retry;
 

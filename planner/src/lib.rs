@@ -33,6 +33,7 @@
 //! recorded it complete for this generation and none of its nodes still needs a switch).
 #![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
+pub mod labels;
 pub mod lifecycle;
 mod policy;
 pub mod selector;

@@ -61,6 +61,7 @@ fn policy(name: &str, spec: serde_json::Value) -> PolicyInput {
 const IPT: ProxyMode = ProxyMode::Iptables;
 const NFT: ProxyMode = ProxyMode::Nftables;
 const IPVS: ProxyMode = ProxyMode::Ipvs;
+const EXT: ProxyMode = ProxyMode::External;
 const BOTH: &[ProxyMode] = &[IPT, NFT];
 
 /// A tiny cluster: the planner's writes are applied, and agents answer like the real one.
@@ -891,6 +892,16 @@ fn compatibility_table() {
             NodeState::Switching,
             Some(IPVS),
         ),
+        // Every node can hand over to another proxy, listed or not (older agents do not list it).
+        ("external", None, vec![IPT, NFT], NodeState::Switching, Some(EXT)),
+        ("external", None, vec![], NodeState::Switching, Some(EXT)),
+        (
+            "ipvs",
+            Some("external"),
+            vec![IPT],
+            NodeState::Switching,
+            Some(EXT),
+        ),
     ];
     for (i, (mode, fallback, supported, state, target)) in cases.into_iter().enumerate() {
         let mut spec = json!({"nodeSelector": {}, "mode": mode});
@@ -1096,4 +1107,37 @@ fn manual_rollback_returns_switched_nodes_until_the_spec_changes() {
     sim.step();
     assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Progressing));
     assert!(!sim.switching().is_empty());
+}
+
+#[test]
+fn external_rolls_out_in_waves_like_any_mode_and_back() {
+    let mut spec = three_waves(json!({}));
+    spec["mode"] = json!("external");
+    let mut sim = Sim::new(vec![policy("p", spec)], 4, NFT);
+    sim.step();
+    assert_eq!(sim.switching().len(), 1, "the canary alone hands over first");
+    for _ in 0..6 {
+        sim.agents();
+        sim.step();
+    }
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Ready), "{:?}", pp.status);
+    assert!(sim.nodes.iter().all(|n| sim.active(&n.name) == Some(EXT)));
+    assert_eq!(sim.wave_states("p"), [WaveState::Completed; 3]);
+    let proxies: Vec<NodeProxyInput> = sim.proxies.values().cloned().collect();
+    let labels = labels::label_changes(&sim.nodes, &proxies);
+    assert_eq!(labels.len(), 4, "every handed-over node is labelled");
+    assert!(labels.iter().all(|c| c.external));
+
+    // And taken over again: a new generation asks for nftables.
+    sim.policies[0].spec.mode = NFT;
+    sim.policies[0].generation = 2;
+    sim.step();
+    assert_eq!(sim.switching().len(), 1, "the canary takes over first");
+    for _ in 0..6 {
+        sim.agents();
+        sim.step();
+    }
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Ready));
+    assert!(sim.nodes.iter().all(|n| sim.active(&n.name) == Some(NFT)));
 }

@@ -56,6 +56,7 @@ const NODE_CASES: &[(&str, &str)] = &[
     ("switching", "Progressing"),
     ("healthy", "Healthy"),
     ("switch-rolled-back", "Degraded"),
+    ("handed-over", "Healthy"),
 ];
 
 fn read_yaml(path: &Path) -> Value {
@@ -275,6 +276,11 @@ spec:
   nodeSelector: {{matchLabels: {{pool: h}}}}
   priority: -5
   mode: iptables
+---
+apiVersion: switchyard.dev/v1alpha1
+kind: ProxyPolicy
+metadata: {{name: handed-over}}
+spec: {{nodeSelector: {{matchLabels: {{pool: x}}}}, mode: external}}
 "#,
         days = closed_days.join(", ")
     )
@@ -364,6 +370,7 @@ async fn live_operator_statuses_map_to_the_right_health() {
         ("w", 1),
         ("r", 2),
         ("c", 1),
+        ("x", 1),
     ];
     let mut by_pool: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
     for (pool, n) in pools {
@@ -409,7 +416,7 @@ async fn live_operator_statuses_map_to_the_right_health() {
     );
 
     let mut op = Operator::start(&cp, "op-1", &[]).await.expect("operator");
-    let playing: BTreeSet<String> = ["h", "d", "c", "r"]
+    let playing: BTreeSet<String> = ["h", "d", "c", "r", "x"]
         .iter()
         .flat_map(|p| by_pool[p].clone())
         .collect();
@@ -422,6 +429,7 @@ async fn live_operator_statuses_map_to_the_right_health() {
             Box::new(|s| s.phase == Some(PolicyPhase::Ready) && s.target_nodes == 1),
         ),
         ("rolled-back", Box::new(|s| s.phase == Some(PolicyPhase::Ready))),
+        ("handed-over", Box::new(|s| s.phase == Some(PolicyPhase::Ready))),
         ("paused", Box::new(|s| s.phase == Some(PolicyPhase::Paused))),
         (
             "awaiting-approval",
@@ -534,6 +542,20 @@ async fn live_operator_statuses_map_to_the_right_health() {
         ("NodeProxy", "switch-rolled-back"),
         get_json(&proxies, &rolled_back_node).await,
     );
+    live.insert(
+        ("NodeProxy", "handed-over"),
+        get_json(&proxies, &first("x")).await,
+    );
+    // The operator labelled the handed-over node for the other proxy's DaemonSet, and no other.
+    let labelled: Vec<String> = Api::<Node>::all(admin.clone())
+        .list(&ListParams::default().labels("switchyard.dev/service-proxy=external"))
+        .await
+        .expect("nodes")
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    assert_eq!(labelled, [first("x")], "nodes labelled external");
 
     // A spec the operator has not seen: stop it, then change the spec.
     op.kill();

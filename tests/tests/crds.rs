@@ -35,7 +35,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
         (
             "unknown-mode",
             variant("unknown-mode", "mode: nftables", "mode: userspace"),
-            r#"spec.mode: Unsupported value: "userspace": supported values: "iptables", "ipvs", "nftables""#,
+            r#"spec.mode: Unsupported value: "userspace": supported values: "iptables", "ipvs", "nftables", "external""#,
         ),
         (
             "zero-percent-wave",
@@ -212,6 +212,24 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
             r#"spec.rollout.waves[0]: Invalid value: a wave must set nodes, nodeSelector, or both"#,
         ),
         (
+            "external-with-fallback",
+            variant(
+                "external-with-fallback",
+                "mode: nftables",
+                "mode: external\n  fallback: iptables",
+            ),
+            r#"spec: Invalid value: spec.fallback has no meaning with mode external (every node can hand over to another proxy): remove spec.fallback"#,
+        ),
+        (
+            "external-with-proxy-settings",
+            variant(
+                "external-with-proxy-settings",
+                "mode: nftables\n",
+                "mode: external\n  proxy:\n    masqueradeAll: true\n",
+            ),
+            r#"spec: Invalid value: spec.proxy configures Switchyard's own data planes; with mode external another proxy serves the pool and is configured its own way: remove spec.proxy"#,
+        ),
+        (
             "fallback-equals-mode",
             variant(
                 "fallback-equals-mode",
@@ -227,7 +245,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 "mode: nftables",
                 "mode: nftables\n  fallback: userspace",
             ),
-            r#"spec.fallback: Unsupported value: "userspace": supported values: "skip", "iptables", "ipvs", "nftables""#,
+            r#"spec.fallback: Unsupported value: "userspace": supported values: "skip", "iptables", "ipvs", "nftables", "external""#,
         ),
         (
             "localhost-nodeports-nftables",
@@ -349,6 +367,19 @@ async fn crds_install_validate_print_and_explain() {
         .kubectl_ok(&["get", "proxypolicy", "minimal", "-o", "jsonpath={.spec.rollout.maxUnavailable} {.spec.rollout.failurePolicy} {.spec.healthGate.timeoutSeconds}"], None)
         .expect("get minimal");
     assert_eq!(defaults, "1 pause 300");
+
+    // Mode external (hand the pool to another proxy), and external as a fallback, are accepted.
+    for (name, from, to) in [
+        ("hand-over", "mode: nftables\n", "mode: external\n"),
+        (
+            "hand-over-fallback",
+            "mode: nftables\n",
+            "mode: ipvs\n  fallback: external\n",
+        ),
+    ] {
+        cp.kubectl_ok(&["apply", "-f", "-"], Some(&variant(name, from, to)))
+            .unwrap_or_else(|e| panic!("{name} is accepted: {e}"));
+    }
 
     // A null is "not set": `fallback: null` is accepted, `maxUnavailable: null` gets the default.
     let nulls = variant("nulls", "mode: nftables\n", "mode: nftables\n  fallback: null\n")

@@ -3,7 +3,7 @@
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 
-/// A Linux service-proxy data plane.
+/// A Linux service-proxy data plane: one of Switchyard's own, or `external` (another proxy).
 #[derive(
     Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, schemars::JsonSchema,
 )]
@@ -16,11 +16,29 @@ pub enum ProxyMode {
     Ipvs,
     /// nftables: the `switchyard` table (ip and ip6 families). Needs kernel 5.13 or newer.
     Nftables,
+    /// Another service proxy serves the node (kube-proxy, or an eBPF data plane); Switchyard
+    /// programs nothing there. The operator labels the Node `switchyard.dev/service-proxy=external`
+    /// so the other proxy's DaemonSet may select it; the switch to it is make-before-break, gated
+    /// by the same data-plane probes (which then go through the other proxy).
+    External,
 }
 
 impl ProxyMode {
-    /// All modes, in a stable order.
+    /// Switchyard's own data planes, in a stable order (`External` is none of them).
     pub const ALL: [ProxyMode; 3] = [ProxyMode::Iptables, ProxyMode::Ipvs, ProxyMode::Nftables];
+
+    /// Every mode the API accepts: Switchyard's data planes, then `External`.
+    pub const EVERY: [ProxyMode; 4] = [
+        ProxyMode::Iptables,
+        ProxyMode::Ipvs,
+        ProxyMode::Nftables,
+        ProxyMode::External,
+    ];
+
+    /// Whether another service proxy serves the node in this mode.
+    pub fn is_external(self) -> bool {
+        self == ProxyMode::External
+    }
 
     /// The lowercase name used in the API.
     pub fn as_str(self) -> &'static str {
@@ -28,6 +46,7 @@ impl ProxyMode {
             ProxyMode::Iptables => "iptables",
             ProxyMode::Ipvs => "ipvs",
             ProxyMode::Nftables => "nftables",
+            ProxyMode::External => "external",
         }
     }
 }

@@ -22,13 +22,13 @@ use super::{HealthGate, ProxyMode, ProxySettings};
         name = "Desired",
         type_ = "string",
         json_path = ".spec.desiredMode",
-        description = "Mode the operator wants"
+        description = "Mode the operator wants (external: another service proxy)"
     ),
     printcolumn(
         name = "Active",
         type_ = "string",
         json_path = ".status.activeMode",
-        description = "Mode the agent runs"
+        description = "Mode the agent runs (external: another service proxy serves the node)"
     ),
     printcolumn(
         name = "Phase",

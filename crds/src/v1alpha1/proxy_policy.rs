@@ -25,7 +25,7 @@ use super::{HealthGate, ProxyMode, ProxySettings};
         name = "Mode",
         type_ = "string",
         json_path = ".spec.mode",
-        description = "Proxy mode the pool should run"
+        description = "Proxy mode the pool should run (external: another service proxy)"
     ),
     printcolumn(
         name = "Nodes",
@@ -61,6 +61,8 @@ use super::{HealthGate, ProxyMode, ProxySettings};
 )]
 #[x_kube(validation = Rule::new("!has(self.fallback) || self.fallback != self.mode").message("spec.fallback must differ from spec.mode (use 'skip' to leave incompatible nodes alone)"))]
 #[x_kube(validation = Rule::new("!has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts || (self.mode == 'iptables' && (!has(self.fallback) || self.fallback == 'skip'))").message("proxy.localhostNodePorts works in iptables mode only: set spec.mode to iptables (with no fallback, or fallback skip) or remove proxy.localhostNodePorts"))]
+#[x_kube(validation = Rule::new("self.mode != 'external' || !has(self.fallback) || self.fallback == 'skip'").message("spec.fallback has no meaning with mode external (every node can hand over to another proxy): remove spec.fallback"))]
+#[x_kube(validation = Rule::new("self.mode != 'external' || !has(self.proxy)").message("spec.proxy configures Switchyard's own data planes; with mode external another proxy serves the pool and is configured its own way: remove spec.proxy"))]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyPolicySpec {
     /// Nodes governed by this policy. An empty selector selects every node. Where policies overlap,
@@ -73,7 +75,10 @@ pub struct ProxyPolicySpec {
     #[schemars(range(min = -1000, max = 1000))]
     pub priority: i32,
 
-    /// Proxy mode the pool should run: iptables, ipvs or nftables.
+    /// Proxy mode the pool should run: iptables, ipvs or nftables, or external to hand the pool to
+    /// another service proxy (kube-proxy, an eBPF data plane): the operator labels its Nodes
+    /// `switchyard.dev/service-proxy=external` for that proxy's DaemonSet to select, and the agents
+    /// remove their rules once the data-plane probes pass through the other proxy.
     pub mode: ProxyMode,
 
     /// What to do on a node whose kernel cannot run `mode`: `skip` leaves the node as it is and
@@ -107,6 +112,8 @@ pub enum Fallback {
     Ipvs,
     /// Run nftables mode instead.
     Nftables,
+    /// Hand the node to another service proxy (mode `external`), which every node can.
+    External,
 }
 
 /// What happens when more nodes fail their switch than `maxFailures` allows.

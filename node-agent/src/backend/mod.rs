@@ -16,6 +16,7 @@
 
 #[cfg(test)]
 pub(crate) mod conformance;
+pub mod external;
 pub mod iptables;
 pub mod ipvs;
 pub mod names;
@@ -368,6 +369,12 @@ pub trait Backend: Send {
     fn rebuild_with_new_settings(&self) -> bool {
         self.mode() != switchyard_crds::v1alpha1::ProxyMode::Ipvs
     }
+    /// What must appear in the kernel before this backend may take traffic (`None`: ready). A
+    /// switch waits in Preparing for it, at most the health gate's timeout. Only mode `external`
+    /// waits (for the other proxy's rules).
+    fn waiting_for(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Builds the backend for `mode` (the operator only asks for modes the node reports as supported;
@@ -387,6 +394,7 @@ pub fn new_backend(
         ProxyMode::Nftables => Box::new(nftables::NftablesBackend::new(settings)),
         ProxyMode::Iptables => Box::new(iptables::IptablesBackend::new(variant, settings)),
         ProxyMode::Ipvs => Box::new(ipvs::IpvsBackend::new(variant, settings)),
+        ProxyMode::External => Box::new(external::ExternalBackend::kube_proxy()),
     }
 }
 

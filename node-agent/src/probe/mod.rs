@@ -229,6 +229,8 @@ pub fn decide(facts: &HostFacts) -> Capabilities {
     if nftables.usable {
         supported_modes.push(ProxyMode::Nftables);
     }
+    // Handing the node to another service proxy needs nothing of this kernel.
+    supported_modes.push(ProxyMode::External);
     Capabilities {
         kernel_version: facts.kernel_release.clone(),
         supported_modes,

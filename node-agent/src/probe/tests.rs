@@ -100,7 +100,7 @@ fn ipvs_mode_needs_family_ipset_iptables_and_a_scheduler() {
     assert!(no_family.ipvs_schedulers.is_empty());
     assert_eq!(
         no_family.supported_modes,
-        vec![ProxyMode::Iptables, ProxyMode::Nftables]
+        vec![ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::External]
     );
 }
 
@@ -153,6 +153,10 @@ fn iptables_variant_follows_kubelets_markers_then_rules_then_prefers_nft() {
         ..facts()
     });
     assert!(!none.supported_modes.contains(&ProxyMode::Iptables));
+    assert!(
+        none.supported_modes.contains(&ProxyMode::External),
+        "handing over to another proxy is always possible"
+    );
 }
 
 #[test]

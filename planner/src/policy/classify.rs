@@ -72,6 +72,11 @@ pub(crate) fn classify_nodes<'a>(
 /// The mode a node should run: the policy's, else its fallback; `Err` says why neither fits.
 fn target_mode(p: &PolicyInput, np: Option<&NodeProxyInput>) -> Result<ProxyMode, String> {
     let mode = p.spec.mode;
+    // Every node can hand over to another proxy, whatever its agent reports (older agents do not
+    // list `external`).
+    if mode.is_external() {
+        return Ok(mode);
+    }
     let Some(caps) = np
         .and_then(|n| n.status.as_ref())
         .and_then(|s| s.capabilities.as_ref())
@@ -93,9 +98,10 @@ fn target_mode(p: &PolicyInput, np: Option<&NodeProxyInput>) -> Result<ProxyMode
         Fallback::Iptables => Some(ProxyMode::Iptables),
         Fallback::Ipvs => Some(ProxyMode::Ipvs),
         Fallback::Nftables => Some(ProxyMode::Nftables),
+        Fallback::External => Some(ProxyMode::External),
     };
     match fallback {
-        Some(f) if caps.supported_modes.contains(&f) => Ok(f),
+        Some(f) if f.is_external() || caps.supported_modes.contains(&f) => Ok(f),
         Some(f) => Err(format!(
             "cannot run {mode} or fallback {f} (supports: {supported})"
         )),

@@ -240,10 +240,14 @@ pub fn table_exists(family: IpFamily) -> Result<bool> {
     Ok(!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
 }
 
-/// Deletes another component's table `name` in `family` (used only to take over from
-/// kube-proxy). Returns whether it existed.
-pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
+/// Whether another component's table `name` exists in `family` (read only: used to see
+/// kube-proxy serve a node handed to it).
+pub fn other_table_exists(family: u8, name: &str) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
+    other_table_exists_on(&transport, family, name)
+}
+
+fn other_table_exists_on(transport: &Transport, family: u8, name: &str) -> Result<bool> {
     let get = MessageBuilder::new(
         nft_kind(1 /* NFT_MSG_GETTABLE */),
         NLM_F_REQUEST | NLM_F_ACK,
@@ -252,11 +256,17 @@ pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
     )
     .attr_str(NFTA_TABLE_NAME, name)
     .finish();
-    let exists = !transport
+    Ok(!transport
         .request(&get, &[1])?
         .iter()
-        .any(|r| r.error.is_some_and(|e| e != 0));
-    if !exists {
+        .any(|r| r.error.is_some_and(|e| e != 0)))
+}
+
+/// Deletes another component's table `name` in `family` (used only to take over from
+/// kube-proxy). Returns whether it existed.
+pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    if !other_table_exists_on(&transport, family, name)? {
         return Ok(false);
     }
     let delete = MessageBuilder::new(

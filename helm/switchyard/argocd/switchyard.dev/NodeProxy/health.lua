@@ -3,7 +3,8 @@
 --   Progressing: no agent report yet, the agent starting, or a switch under way
 --   Degraded:    the agent cannot serve (phase Failed), Healthy=False, or the last switch asked
 --                for by the operator (this rolloutToken) was rolled back or failed
---   Healthy:     the agent serves (phase Active) in the desired mode
+--   Healthy:     the agent serves (phase Active) in the desired mode, or the node is handed to
+--                another service proxy (mode external) and the agent's rules are gone
 local hs = { status = "Progressing", message = "Waiting for the node's agent to report" }
 
 local function condition(conditions, kind)
@@ -55,7 +56,11 @@ if status.phase ~= "Active" then
   return hs
 end
 if spec.desiredMode ~= nil and status.activeMode ~= spec.desiredMode then
-  hs.message = "Waiting to switch from " .. tostring(status.activeMode) .. " to " .. spec.desiredMode
+  if spec.desiredMode == "external" then
+    hs.message = "Waiting to hand over from " .. tostring(status.activeMode) .. " to another service proxy (external)"
+  else
+    hs.message = "Waiting to switch from " .. tostring(status.activeMode) .. " to " .. spec.desiredMode
+  end
   return hs
 end
 if healthy ~= nil and healthy.status == "False" then
@@ -64,5 +69,9 @@ if healthy ~= nil and healthy.status == "False" then
   return hs
 end
 hs.status = "Healthy"
+if status.activeMode == "external" then
+  hs.message = "Handed to another service proxy (mode external); Switchyard's rules are removed"
+  return hs
+end
 hs.message = "Serving in " .. tostring(status.activeMode) .. " mode"
 return hs
