@@ -82,6 +82,11 @@ pub struct GateProgress {
     pub healthy_for: Duration,
     /// Consecutive failed probe rounds.
     pub consecutive_failures: u32,
+    /// In Preparing: the target still waits for something outside Switchyard (mode `external`:
+    /// the other proxy's rules), see [`crate::backend::Backend::waiting_for`].
+    pub target_waiting: bool,
+    /// Time since Preparing started.
+    pub preparing_for: Duration,
 }
 
 /// Health-gate parameters.
@@ -112,6 +117,8 @@ pub enum Step {
         /// Why.
         reason: String,
     },
+    /// Stay in Preparing: the target is not ready to take traffic yet.
+    AwaitTarget,
     /// Swap the entry points.
     CutOver,
     /// Keep verifying.
@@ -155,7 +162,7 @@ pub fn decide(
                 reason: "the desired mode changed during the switch".into(),
             }
         }
-        Phase::Preparing => Step::CutOver,
+        Phase::Preparing => prepared(state, gate, progress),
         Phase::CutOver => Step::Verify,
         Phase::Verifying => {
             if progress.consecutive_failures >= gate.failure_threshold {
@@ -180,6 +187,29 @@ pub fn decide(
             reason: "resuming rollback".into(),
         },
     }
+}
+
+/// In Preparing: cut over once the target is ready; a target that waits longer than the gate's
+/// timeout (mode `external` without the other proxy's rules) rolls back before anything was
+/// bypassed.
+fn prepared(state: &SwitchState, gate: Gate, progress: GateProgress) -> Step {
+    if !progress.target_waiting {
+        return Step::CutOver;
+    }
+    if progress.preparing_for < gate.timeout {
+        return Step::AwaitTarget;
+    }
+    let secs = gate.timeout.as_secs();
+    let reason = match state.target {
+        Some(ProxyMode::External) => format!(
+            "no other service proxy appeared on the node within {secs}s (is its DaemonSet selecting switchyard.dev/service-proxy=external?); Switchyard's rules kept serving"
+        ),
+        target => format!(
+            "{} was not ready to take traffic within {secs}s",
+            target.map(|t| t.as_str()).unwrap_or("the target")
+        ),
+    };
+    Step::RollBack { reason }
 }
 
 /// Restarts allowed to interrupt one switch before it is reported failed.
@@ -445,7 +475,12 @@ mod tests {
         let ok = |healthy: u64, elapsed: u64| GateProgress {
             elapsed: secs(elapsed),
             healthy_for: secs(healthy),
-            consecutive_failures: 0,
+            ..GateProgress::default()
+        };
+        let waiting = |preparing: u64| GateProgress {
+            target_waiting: true,
+            preparing_for: secs(preparing),
+            ..GateProgress::default()
         };
         let cases: Vec<(&str, SwitchState, Option<Desired>, GateProgress, Step)> = vec![
             (
@@ -538,8 +573,8 @@ mod tests {
                 Some(want(Nftables, "t1")),
                 GateProgress {
                     elapsed: secs(3),
-                    healthy_for: secs(0),
                     consecutive_failures: 3,
+                    ..GateProgress::default()
                 },
                 Step::RollBack {
                     reason: "health gate failed 3 consecutive probe rounds".into(),
@@ -551,8 +586,8 @@ mod tests {
                 Some(want(Nftables, "t1")),
                 GateProgress {
                     elapsed: secs(3),
-                    healthy_for: secs(0),
                     consecutive_failures: 2,
+                    ..GateProgress::default()
                 },
                 Step::Verify,
             ),
@@ -581,10 +616,79 @@ mod tests {
                 ok(0, 0),
                 Step::Clean,
             ),
+            (
+                "hand over: external is always possible",
+                SwitchState::active(Nftables),
+                Some(want(External, "t1")),
+                ok(0, 0),
+                Step::Prepare {
+                    target: External,
+                    token: Some("t1".into()),
+                },
+            ),
+            (
+                "hand over: waits for the other proxy before bypassing anything",
+                st(Phase::Preparing, Nftables, Some(External)),
+                Some(want(External, "t1")),
+                waiting(59),
+                Step::AwaitTarget,
+            ),
+            (
+                "hand over: the other proxy is there, cut over",
+                st(Phase::Preparing, Nftables, Some(External)),
+                Some(want(External, "t1")),
+                ok(0, 0),
+                Step::CutOver,
+            ),
+            (
+                "hand over: no other proxy within the gate's timeout",
+                st(Phase::Preparing, Nftables, Some(External)),
+                Some(want(External, "t1")),
+                waiting(60),
+                Step::RollBack {
+                    reason: "no other service proxy appeared on the node within 60s (is its DaemonSet selecting switchyard.dev/service-proxy=external?); Switchyard's rules kept serving".into(),
+                },
+            ),
+            (
+                "hand over: probes failing through the other proxy roll back",
+                st(Phase::Verifying, Nftables, Some(External)),
+                Some(want(External, "t1")),
+                GateProgress {
+                    elapsed: secs(3),
+                    consecutive_failures: 3,
+                    ..GateProgress::default()
+                },
+                Step::RollBack {
+                    reason: "health gate failed 3 consecutive probe rounds".into(),
+                },
+            ),
+            (
+                "take over: external to nftables is a switch like any",
+                SwitchState::active(External),
+                Some(want(Nftables, "t2")),
+                ok(0, 0),
+                Step::Prepare {
+                    target: Nftables,
+                    token: Some("t2".into()),
+                },
+            ),
+            (
+                "take over: verified, clean (removes nothing of the other proxy's)",
+                st(Phase::Verifying, External, Some(Nftables)),
+                Some(want(Nftables, "t2")),
+                ok(10, 12),
+                Step::Clean,
+            ),
         ];
+        let supported = [Iptables, Nftables, External];
         for (what, state, desired, progress, step) in cases {
+            let supported: &[ProxyMode] = if what.starts_with("unsupported") {
+                &both
+            } else {
+                &supported
+            };
             assert_eq!(
-                decide(&state, desired.as_ref(), &both, GATE, progress),
+                decide(&state, desired.as_ref(), supported, GATE, progress),
                 step,
                 "{what}"
             );
@@ -622,6 +726,22 @@ mod tests {
         );
         let r = recover(&SwitchState::active(Nftables));
         assert_eq!((r.serve, r.remove), (Nftables, vec![Iptables, Ipvs]));
+    }
+
+    #[test]
+    fn recovery_around_external_keeps_one_proxy_serving() {
+        // Handed over: none of Switchyard's backends stays.
+        let r = recover(&SwitchState::active(External));
+        assert_eq!((r.serve, r.remove), (External, vec![Iptables, Ipvs, Nftables]));
+        // Interrupted before the gate passed: Switchyard's rules serve again.
+        let r = recover(&st(Phase::Verifying, Nftables, Some(External)));
+        assert_eq!((r.serve, r.remove), (Nftables, vec![Iptables, Ipvs]));
+        // Interrupted while cleaning: the hand-over finishes.
+        let r = recover(&st(Phase::Cleaning, Nftables, Some(External)));
+        assert_eq!((r.serve, r.remove), (External, vec![Iptables, Ipvs, Nftables]));
+        // A takeover interrupted before the gate passed goes back to the other proxy.
+        let r = recover(&st(Phase::Verifying, External, Some(Nftables)));
+        assert_eq!((r.serve, r.remove), (External, vec![Iptables, Ipvs, Nftables]));
     }
 
     mod start {

@@ -88,6 +88,8 @@ pub struct Driver {
     /// The mode of `--mode`, used when neither the store nor the kernel says more.
     initial: ProxyMode,
     recovered: bool,
+    /// When Preparing started (a target that waits, mode `external`, has the gate's timeout).
+    prepared_at: Option<Instant>,
     cut_over_at: Option<Instant>,
     healthy_since: Option<Instant>,
     failures: u32,
@@ -153,6 +155,7 @@ impl Driver {
             settings,
             initial,
             recovered: false,
+            prepared_at: None,
             cut_over_at: None,
             healthy_since: None,
             failures: 0,
@@ -386,9 +389,11 @@ impl Driver {
             elapsed: self.cut_over_at.map(|t| t.elapsed()).unwrap_or_default(),
             healthy_for: self.healthy_since.map(|t| t.elapsed()).unwrap_or_default(),
             consecutive_failures: self.failures,
+            target_waiting: self.target_waiting(),
+            preparing_for: self.prepared_at.map(|t| t.elapsed()).unwrap_or_default(),
         };
         match switch::decide(&self.state, desired, supported, gate_of(gate), progress) {
-            Step::Idle => false,
+            Step::Idle | Step::AwaitTarget => false,
             Step::Refuse { reason } => self.refuse(desired, reason),
             Step::Prepare { target, token } => self.prepare(target, token, snapshot),
             Step::CutOver => self.cut_over(snapshot),
@@ -396,6 +401,19 @@ impl Driver {
             Step::Clean => self.clean(),
             Step::RollBack { reason } => self.roll_back(snapshot, reason),
         }
+    }
+
+    /// In Preparing: whether the target still waits for something outside Switchyard (logged
+    /// when it changes is not needed: the phase shows Preparing meanwhile).
+    fn target_waiting(&mut self) -> bool {
+        let (Phase::Preparing, Some(target)) = (self.state.phase, self.state.target) else {
+            return false;
+        };
+        let waiting = self.backend(target).waiting_for();
+        if let Some(what) = &waiting {
+            tracing::debug!(%target, waiting_for = %what, "switch: target not ready yet");
+        }
+        waiting.is_some()
     }
 
     /// The node cannot run the desired mode: answers the token with a failure.
@@ -426,6 +444,7 @@ impl Driver {
             return false;
         }
         self.started = Some(k8s_openapi::jiff::Timestamp::now());
+        self.prepared_at = Some(Instant::now());
         let b = self.backend(target);
         let result = b
             .set_bypass(true)

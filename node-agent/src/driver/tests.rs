@@ -11,7 +11,7 @@ use switchyard_crds::v1alpha1::{HealthGate, ProbeResult, ProxyMode, SwitchOutcom
 
 use super::{BackendFactory, Driver, FaultHook, Parts, Prober};
 use crate::{
-    backend::{Backend, BackendError, Presence, Settings, SyncStats},
+    backend::{Backend, BackendError, Presence, Settings, SyncStats, external::ExternalBackend},
     model::{Changes, DualSnapshot, NodeInfo, ServiceName},
     state_store::{Loaded, StateStore},
     switch::{Desired, Phase, SwitchState},
@@ -20,6 +20,7 @@ use crate::{
 const IPT: ProxyMode = ProxyMode::Iptables;
 const NFT: ProxyMode = ProxyMode::Nftables;
 const IPVS: ProxyMode = ProxyMode::Ipvs;
+const EXT: ProxyMode = ProxyMode::External;
 
 /// What the fake kernel holds, and a log of every call the backends made.
 #[derive(Debug, Default)]
@@ -32,6 +33,8 @@ struct Kernel {
     /// Drift `verify` reports per mode.
     drift: BTreeMap<ProxyMode, Vec<String>>,
     builds: usize,
+    /// Another service proxy's rules are in the kernel (what mode `external` waits for).
+    other_proxy: bool,
 }
 
 type Shared<T> = Arc<Mutex<T>>;
@@ -120,6 +123,16 @@ struct FakeBackends(Shared<Kernel>);
 impl BackendFactory for FakeBackends {
     fn build(&self, mode: ProxyMode, _: &Settings) -> Box<dyn Backend> {
         with(&self.0, |k| k.builds += 1);
+        if mode == EXT {
+            // The real stand-in of the other proxy, seeing the fake kernel.
+            let kernel = self.0.clone();
+            return Box::new(ExternalBackend::with_detector(Box::new(move || {
+                with(&kernel, |k| k.other_proxy)
+                    .then(|| "kube-proxy table".to_owned())
+                    .into_iter()
+                    .collect()
+            })));
+        }
         Box::new(FakeBackend {
             mode,
             kernel: self.0.clone(),
@@ -297,7 +310,7 @@ impl Rig {
     fn step(&mut self, desired: &Desired, gate: &HealthGate) -> bool {
         self.driver.step(
             Some(desired),
-            &ProxyMode::ALL,
+            &ProxyMode::EVERY,
             gate,
             &DualSnapshot::default(),
             &targets(),
@@ -633,4 +646,125 @@ fn probe_rounds_keep_their_pace_however_often_the_driver_steps() {
         Phase::Verifying,
         "one failed round does not roll back"
     );
+}
+
+fn gate_timeout(min_healthy_seconds: u32, failure_threshold: u32, timeout_seconds: u32) -> HealthGate {
+    HealthGate {
+        timeout_seconds,
+        ..gate(min_healthy_seconds, failure_threshold)
+    }
+}
+
+#[test]
+fn a_hand_over_waits_for_the_other_proxy_then_bypasses_and_removes_switchyards_rules() {
+    let mut rig = Rig::synced(NFT);
+    let (desired, gate) = (want(EXT), gate(0, 3));
+    assert!(rig.step(&desired, &gate), "prepare");
+    assert!(
+        !rig.step(&desired, &gate),
+        "no other proxy yet: wait in Preparing"
+    );
+    assert!(!rig.step(&desired, &gate));
+    assert_eq!(rig.driver.state.phase, Phase::Preparing);
+    assert!(
+        rig.take_log().is_empty(),
+        "nothing of ours is bypassed while waiting"
+    );
+    assert_eq!(rig.programmed(), BTreeMap::from([(NFT, false)]));
+
+    with(&rig.kernel, |k| k.other_proxy = true);
+    assert!(rig.step(&desired, &gate), "cut over");
+    assert_eq!(rig.take_log(), ["nftables bypass=true"]);
+    assert_eq!(rig.driver.state.phase, Phase::Verifying);
+    assert!(!rig.step(&desired, &gate), "min healthy 0: the gate passes");
+    assert_eq!(rig.take_log(), ["nftables cleanup"]);
+    assert!(rig.programmed().is_empty(), "no Switchyard rules left");
+    let d = &rig.driver;
+    assert_eq!((d.state.active, d.state.phase), (EXT, Phase::Active));
+    let last = d.last.as_ref().expect("finished");
+    assert_eq!(
+        (last.from, last.to, last.result.clone()),
+        (NFT, EXT, SwitchOutcome::Succeeded)
+    );
+    // Handed over, syncs program nothing.
+    rig.sync().expect("sync");
+    assert!(rig.take_log().is_empty());
+}
+
+#[test]
+fn a_hand_over_without_another_proxy_rolls_back_at_the_timeout_without_bypassing() {
+    let mut rig = Rig::synced(NFT);
+    let (desired, gate) = (want(EXT), gate_timeout(0, 3, 0));
+    assert!(rig.step(&desired, &gate), "prepare");
+    assert!(!rig.step(&desired, &gate), "the timeout has passed: roll back");
+    let last = rig.driver.last.clone().expect("finished");
+    assert_eq!(last.result, SwitchOutcome::RolledBack);
+    assert!(
+        last.reason.contains("no other service proxy appeared"),
+        "{}",
+        last.reason
+    );
+    let log = rig.take_log();
+    assert!(!log.contains(&"nftables bypass=true".to_owned()), "{log:?}");
+    assert_eq!(rig.programmed(), BTreeMap::from([(NFT, false)]));
+    assert_eq!(rig.driver.state.active, NFT);
+}
+
+#[test]
+fn probes_failing_through_the_other_proxy_un_bypass_switchyards_rules() {
+    let mut rig = Rig::synced(IPT);
+    with(&rig.kernel, |k| k.other_proxy = true);
+    with(&rig.probes, |p| {
+        p.results = vec![ProbeResult {
+            target: "default/kubernetes 10.96.0.1:443".into(),
+            ok: false,
+            detail: Some("connection timed out".into()),
+        }]
+    });
+    let (desired, gate) = (want(EXT), gate(60, 2));
+    assert!(rig.step(&desired, &gate), "prepare");
+    assert!(rig.step(&desired, &gate), "cut over");
+    assert_eq!(rig.programmed(), BTreeMap::from([(IPT, true)]), "bypassed");
+    while rig.driver.last.is_none() {
+        rig.step(&desired, &gate);
+    }
+    let last = rig.driver.last.clone().expect("finished");
+    assert_eq!((last.to, last.result), (EXT, SwitchOutcome::RolledBack));
+    assert_eq!(with(&rig.probes, |p| p.rounds), 2);
+    assert_eq!(
+        rig.programmed(),
+        BTreeMap::from([(IPT, false)]),
+        "our rules are back"
+    );
+    assert!(rig.take_log().contains(&"iptables bypass=false".to_owned()));
+    assert_eq!(rig.driver.state.active, IPT);
+}
+
+#[test]
+fn a_takeover_from_external_programs_next_to_the_other_proxy_and_removes_none_of_its_objects() {
+    let mut rig = Rig::with(EXT, Loaded::Valid(SwitchState::active(EXT)), &[]);
+    rig.sync().expect("first sync");
+    assert_eq!(
+        rig.take_log(),
+        ["iptables cleanup", "ipvs cleanup", "nftables cleanup"],
+        "handed over: only Switchyard's own leftovers are removed"
+    );
+    with(&rig.kernel, |k| k.other_proxy = true);
+    let (desired, gate) = (want(NFT), gate(0, 3));
+    assert!(rig.step(&desired, &gate), "prepare");
+    assert_eq!(
+        rig.take_log(),
+        ["nftables bypass=true", "nftables sync full=true"]
+    );
+    assert!(rig.step(&desired, &gate), "cut over");
+    assert_eq!(rig.take_log(), ["nftables bypass=false"]);
+    assert!(!rig.step(&desired, &gate), "gate passed, clean");
+    assert!(rig.take_log().is_empty(), "cleaning `external` removes nothing");
+    assert!(
+        with(&rig.kernel, |k| k.other_proxy),
+        "the other proxy's rules stay for the takeover"
+    );
+    let d = &rig.driver;
+    assert_eq!((d.state.active, d.state.phase), (NFT, Phase::Active));
+    assert_eq!(rig.programmed(), BTreeMap::from([(NFT, false)]));
 }

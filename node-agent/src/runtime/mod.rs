@@ -259,7 +259,7 @@ impl SyncLoop {
         synced: &sync::Synced,
         snapshot: &Arc<crate::model::DualSnapshot>,
     ) -> Result<Driver> {
-        self.takeover.after_sync(d.switching()).await?;
+        self.takeover.after_sync(&d, &self.shared).await?;
         let supported = &self.config.capabilities.supported_modes;
         let (mut d, again) = step::step(&self.client, d, supported, wish, snapshot).await?;
         if again {
