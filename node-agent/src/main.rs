@@ -94,6 +94,12 @@ struct Args {
     /// `--iptables-localhost-nodeports`; `=false` refuses such connections at once.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     iptables_localhost_nodeports: bool,
+    /// nftables mode: serve IPv4 NodePorts on 127.0.0.1 too, in the kernel (sets route_localnet=1,
+    /// DNATs node-local connections to 127.0.0.0/8 and guards loopback against other hosts).
+    /// Off by default, as kube-proxy's nftables mode, which does not serve them. A policy's
+    /// `proxy.localhostNodePorts` overrides this and `--iptables-localhost-nodeports`.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    nftables_localhost_nodeports: bool,
     /// The cluster's Service CIDRs (the apiserver's `--service-cluster-ip-range`), one per family
     /// comma-separated: nftables mode drops traffic to an address in them that is no ClusterIP it
     /// handles (an unallocated address, or a Service of another proxy) instead of routing it out
@@ -198,6 +204,7 @@ fn runtime_config(
         state_dir: args.state_dir.clone(),
         takeover_kube_proxy: args.takeover_kube_proxy,
         localhost_node_ports: args.iptables_localhost_nodeports,
+        nftables_localhost_node_ports: args.nftables_localhost_nodeports,
         service_cidrs: cidrs(&args.service_cidr),
         conntrack: None,
     })

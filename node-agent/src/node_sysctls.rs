@@ -1,6 +1,7 @@
-//! The node's connection-tracking sysctls a ProxyPolicy's `proxy.conntrack` asks for: which values
-//! to write, and which to put back when the policy stops asking (hand-back, cleanup, a field
-//! removed). Pure: the caller reads the current values and performs the writes.
+//! The node's connection-tracking sysctls a ProxyPolicy's `proxy.conntrack` asks for, and
+//! `route_localnet` that localhost NodePorts need: which values to write, and which to put back
+//! when nothing asks any more (hand-back, cleanup, a field removed, localhost NodePorts turned
+//! off). Pure: the caller reads the current values and performs the writes.
 //!
 //! The semantics follow kube-proxy's (`cmd/kube-proxy/app/conntrack.go`): `nf_conntrack_max` is
 //! `maxPerCore × cores`, raised to `min`, and only when `maxPerCore > 0`; with it the conntrack
@@ -32,11 +33,14 @@ pub enum Knob {
     UdpTimeout,
     /// `net.netfilter.nf_conntrack_udp_timeout_stream`.
     UdpStreamTimeout,
+    /// `net.ipv4.conf.all.route_localnet`: 1 while a data plane serves NodePorts on 127.0.0.1
+    /// (see [`with_route_localnet`]).
+    RouteLocalnet,
 }
 
 impl Knob {
     /// Every knob, in the order they are written.
-    pub const ALL: [Knob; 7] = [
+    pub const ALL: [Knob; 8] = [
         Knob::ConntrackMax,
         Knob::HashSize,
         Knob::TcpEstablishedTimeout,
@@ -44,7 +48,13 @@ impl Knob {
         Knob::TcpBeLiberal,
         Knob::UdpTimeout,
         Knob::UdpStreamTimeout,
+        Knob::RouteLocalnet,
     ];
+
+    /// The conntrack knobs (every one but [`Knob::RouteLocalnet`]).
+    pub fn is_conntrack(self) -> bool {
+        self != Knob::RouteLocalnet
+    }
 
     /// The file that holds the knob's value.
     pub fn path(self) -> &'static str {
@@ -56,6 +66,7 @@ impl Knob {
             Knob::TcpBeLiberal => "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
             Knob::UdpTimeout => "/proc/sys/net/netfilter/nf_conntrack_udp_timeout",
             Knob::UdpStreamTimeout => "/proc/sys/net/netfilter/nf_conntrack_udp_timeout_stream",
+            Knob::RouteLocalnet => "/proc/sys/net/ipv4/conf/all/route_localnet",
         }
     }
 
@@ -105,6 +116,16 @@ pub fn wanted(settings: Option<&ConntrackSettings>, cores: u32) -> Wanted {
     }
     if s.tcp_be_liberal == Some(true) {
         wanted.insert(Knob::TcpBeLiberal, 1);
+    }
+    wanted
+}
+
+/// `wanted` plus `route_localnet=1` when `localhost` (a data plane serves NodePorts on
+/// 127.0.0.1). As with the conntrack knobs, a node that has 1 already keeps it and nothing is
+/// remembered; a 0 the agent replaced is put back once no data plane needs it.
+pub fn with_route_localnet(mut wanted: Wanted, localhost: bool) -> Wanted {
+    if localhost {
+        wanted.insert(Knob::RouteLocalnet, 1);
     }
     wanted
 }
@@ -346,5 +367,30 @@ mod tests {
         }
         assert!(!Knob::ConntrackMax.per_netns());
         assert!(Knob::UdpTimeout.per_netns());
+        assert!(Knob::RouteLocalnet.per_netns());
+        assert!(!Knob::RouteLocalnet.is_conntrack());
+    }
+
+    #[test]
+    fn route_localnet_is_set_while_wanted_and_the_nodes_value_comes_back() {
+        use Knob::RouteLocalnet;
+        let want = with_route_localnet(Wanted::new(), true);
+        assert_eq!(want, map(&[(RouteLocalnet, 1)]));
+        assert!(with_route_localnet(Wanted::new(), false).is_empty());
+        let on = plan(&want, &map(&[(RouteLocalnet, 0)]), &Replaced::default());
+        assert_eq!(on.writes, vec![(RouteLocalnet, 1)]);
+        assert_eq!(on.replaced.0, map(&[(RouteLocalnet, 0)]));
+        // Turned off: the 0 comes back and is forgotten.
+        let off = plan(&Wanted::new(), &map(&[(RouteLocalnet, 1)]), &on.replaced);
+        assert_eq!(off.writes, vec![(RouteLocalnet, 0)]);
+        assert!(off.replaced.0.is_empty());
+        // A node with 1 already keeps it, then and afterwards.
+        let kept = plan(&want, &map(&[(RouteLocalnet, 1)]), &Replaced::default());
+        assert!(kept.writes.is_empty() && kept.replaced.0.is_empty());
+        assert!(
+            plan(&Wanted::new(), &map(&[(RouteLocalnet, 1)]), &kept.replaced)
+                .writes
+                .is_empty()
+        );
     }
 }

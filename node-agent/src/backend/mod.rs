@@ -48,6 +48,12 @@ pub struct Settings {
     /// `--iptables-localhost-nodeports` (default on): `route_localnet=1` plus a guard rule dropping
     /// martian localnet traffic from outside. Off, such connections are refused at once.
     pub localhost_node_ports: bool,
+    /// nftables mode: serve IPv4 NodePorts on `127.0.0.1` too (`--nftables-localhost-nodeports`,
+    /// default off as kube-proxy's nftables mode, which does not serve them): a DNAT of
+    /// `127.0.0.0/8` destinations in the output path (node-local clients only), masqueraded, with
+    /// `route_localnet=1` and a guard rule dropping new connections to `127.0.0.0/8` from
+    /// elsewhere. Off, nothing matches loopback: such connections are refused at once.
+    pub nftables_localhost_node_ports: bool,
     /// The cluster's Service CIDRs (at most a few per family). nftables mode drops traffic to an
     /// address in them that is no ClusterIP it handles, as kube-proxy's `cluster-ips-check`.
     pub service_cidrs: Vec<IpNet>,
@@ -63,6 +69,7 @@ impl Default for Settings {
             masquerade_mark: 0x4000,
             ipvs: ipvs::IpvsOptions::default(),
             localhost_node_ports: true,
+            nftables_localhost_node_ports: false,
             service_cidrs: Vec::new(),
         }
     }

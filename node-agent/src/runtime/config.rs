@@ -142,6 +142,8 @@ pub struct Config {
     pub takeover_kube_proxy: bool,
     /// iptables mode: NodePorts on 127.0.0.1 (see [`Settings::localhost_node_ports`]).
     pub localhost_node_ports: bool,
+    /// nftables mode: NodePorts on 127.0.0.1 (see [`Settings::nftables_localhost_node_ports`]).
+    pub nftables_localhost_node_ports: bool,
     /// The cluster's Service CIDRs (see [`Settings::service_cidrs`]).
     pub service_cidrs: Vec<IpNet>,
     /// The conntrack sysctls to set (only a policy sets them; see [`crate::node_sysctls`]).
@@ -202,6 +204,7 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
         masquerade_mark: 0x4000,
         ipvs: backend::ipvs::IpvsOptions::default(),
         localhost_node_ports: config.localhost_node_ports,
+        nftables_localhost_node_ports: config.nftables_localhost_node_ports,
         service_cidrs: config.service_cidrs.clone(),
     }
 }
@@ -227,8 +230,9 @@ pub fn parse_cluster_cidrs(value: &str) -> std::result::Result<Vec<IpNet>, Strin
 
 /// The agent's configuration with the governing policy's proxy settings (from NodeProxy spec)
 /// laid over its flags: clusterCIDR, masqueradeAll, nodePortAddresses, minSyncPeriodSeconds,
-/// syncPeriodSeconds and serviceProxyName (the conntrack settings are applied by
-/// [`crate::node_sysctls`]). A field the policy leaves out keeps the flag's value; invalid values
+/// syncPeriodSeconds, serviceProxyName and localhostNodePorts (for iptables and nftables mode
+/// alike; absent, each mode keeps its flag, whose defaults are kube-proxy's: on in iptables mode,
+/// off in nftables mode). The conntrack settings are applied by [`crate::node_sysctls`]. A field the policy leaves out keeps the flag's value; invalid values
 /// keep it too (the CRD validates them, so this only guards against skew).
 pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> Config {
     let mut c = config.clone();
@@ -250,6 +254,10 @@ pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> C
     }
     if let Some(all) = p.masquerade_all {
         c.masquerade_all = all;
+    }
+    if let Some(localhost) = p.localhost_node_ports {
+        c.localhost_node_ports = localhost;
+        c.nftables_localhost_node_ports = localhost;
     }
     if !p.node_port_addresses.is_empty() {
         let cidrs: Vec<IpNet> = p
@@ -285,6 +293,7 @@ mod tests {
             state_dir: "/tmp".into(),
             takeover_kube_proxy: false,
             localhost_node_ports: true,
+            nftables_localhost_node_ports: false,
             service_cidrs: Vec::new(),
             conntrack: None,
         }
@@ -345,6 +354,33 @@ mod tests {
         assert_eq!(absent.min_sync_period, None, "unset: the adaptive limit stays");
         assert_eq!(absent.sync_period, Duration::from_secs(30));
         assert_eq!(absent.proxy_name, None);
+    }
+
+    #[test]
+    fn localhost_node_ports_follow_the_policy_in_both_modes_and_the_flags_without_it() {
+        let flags = config();
+        let unset = with_policy_settings(&flags, Some(&ProxySettings::default()));
+        assert_eq!(
+            (unset.localhost_node_ports, unset.nftables_localhost_node_ports),
+            (true, false),
+            "absent: kube-proxy's defaults per mode (the flags')"
+        );
+        for on in [true, false] {
+            let proxy = ProxySettings {
+                localhost_node_ports: Some(on),
+                ..Default::default()
+            };
+            let c = with_policy_settings(&flags, Some(&proxy));
+            assert_eq!(
+                (c.localhost_node_ports, c.nftables_localhost_node_ports),
+                (on, on)
+            );
+            let s = node_settings(&c, None);
+            assert_eq!(
+                (s.localhost_node_ports, s.nftables_localhost_node_ports),
+                (on, on)
+            );
+        }
     }
 
     #[test]

@@ -162,17 +162,29 @@ async fn sync_loop(
     loop {
         let switching = driver.as_ref().is_some_and(Driver::switching);
         parts.runner.wait(&parts.shared.wake, switching).await;
-        let Some(input) = read_input(&parts.shared, &parts.config) else {
+        let Some(mut input) = read_input(&parts.shared, &parts.config) else {
             continue;
         };
         if driver.is_none() && parts.await_spec().await {
             continue;
         }
-        parts.take_settings(&input.effective);
-        let d = driver
-            .take()
-            .unwrap_or_else(|| new_driver(&parts.config, &input.settings, &parts.faults));
+        let (mut d, fresh) = match driver.take() {
+            Some(d) => (d, false),
+            None => (new_driver(&parts.config, &input.settings, &parts.faults), true),
+        };
+        let localhost = sysctls::localhost_wanted(&input.settings, &d.state);
+        parts.take_settings(&input.effective, localhost);
+        // Localhost NodePorts only once route_localnet is set (a fresh driver has built no
+        // backend yet: it takes the gated settings before its first sync, even mid-switch).
+        parts.sysctls.gate_localhost(&mut input.settings, localhost);
+        if fresh {
+            d.set_settings(input.settings.clone());
+        }
         driver = Some(parts.round(d, input).await?);
+        if parts.sysctls.release_pending() {
+            // The rules are gone: the next round puts route_localnet back.
+            parts.runner.again();
+        }
     }
 }
 
@@ -201,14 +213,20 @@ impl SyncLoop {
     }
 
     /// Takes the settings that do not go to the backend: the sync pacing, the
-    /// service-proxy-name filter (each logged when it changes) and the conntrack sysctls; only
-    /// once our NodeProxy has been listed, so that a restart does not flap them to the flags'.
-    fn take_settings(&mut self, effective: &Config) {
+    /// service-proxy-name filter (each logged when it changes), the conntrack sysctls and
+    /// `route_localnet` (1 while `localhost` NodePorts are served); only once our NodeProxy has
+    /// been listed, so that a restart does not flap them to the flags'.
+    fn take_settings(&mut self, effective: &Config, localhost: bool) {
         if !self.shared.spec_listed.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        if let Some(condition) = self.sysctls.apply(effective.conntrack.as_ref()) {
-            self.reporter.set_condition(sysctls::CONDITION, condition);
+        for (kind, condition) in self
+            .sysctls
+            .apply(effective.conntrack.as_ref(), localhost)
+            .into_iter()
+            .flatten()
+        {
+            self.reporter.set_condition(kind, condition);
         }
         let limit = runner::RateLimit::of(effective.min_sync_period);
         if self.runner.configure(limit, effective.sync_period) {

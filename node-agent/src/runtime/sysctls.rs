@@ -1,19 +1,29 @@
-//! Applies the policy's `proxy.conntrack` to the node's sysctls: reads the current values, writes
-//! what [`crate::node_sysctls::plan`] says through the [`Sysctl`] adapter, and keeps the values it
-//! replaced in the state file so that they are put back when the policy stops asking (or on
-//! `--cleanup`, [`restore_from`]). It runs when the asked-for values change (and once at start),
-//! never in a retry loop: a knob the kernel refuses (`nf_conntrack_max` and the hash size are
-//! host-global, read-only inside a non-initial network namespace) is logged once with the reason
-//! and reported in the `ConntrackSysctls` status condition.
+//! Applies the policy's `proxy.conntrack`, and the `route_localnet` localhost NodePorts need, to
+//! the node's sysctls: reads the current values, writes what [`crate::node_sysctls::plan`] says
+//! through the [`Sysctl`] adapter, and keeps the values it replaced in the state file so that they
+//! are put back when nothing asks any more (or on `--cleanup`, [`restore_from`]). It runs when the
+//! asked-for values change (and once at start), never in a retry loop: a knob the kernel refuses
+//! (`nf_conntrack_max` and the hash size are host-global, read-only inside a non-initial network
+//! namespace; any of them under a read-only `/proc/sys`) is logged once with the reason and
+//! reported in the `ConntrackSysctls` or `LocalhostNodePorts` status condition.
+//!
+//! The data planes serve NodePorts on 127.0.0.1 only once `route_localnet` is known to be 1
+//! ([`ConntrackSysctls::gate_localhost`]), and `route_localnet` is put back only after a round
+//! whose settings no longer serve them ([`ConntrackSysctls::release_pending`]): in between, the
+//! kernel would drop DNATed packets and a client would wait for a SYN retransmission instead of
+//! being served or refused at once.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use switchyard_crds::v1alpha1::ConntrackSettings;
+use switchyard_crds::v1alpha1::{ConntrackSettings, ProxyMode};
 
 use crate::{
+    backend::{Settings, iptables, nftables},
+    model::IpFamily,
     node_sysctls::{self, Knob, Plan, Replaced, Wanted},
     state_store::StateFile,
+    switch::SwitchState,
     sys::{
         host,
         sysctl::{HostSysctl, Sysctl},
@@ -22,6 +32,21 @@ use crate::{
 
 /// The status condition's type.
 pub(super) const CONDITION: &str = "ConntrackSysctls";
+
+/// The type of the condition on `route_localnet` for localhost NodePorts.
+pub(super) const LOCALNET_CONDITION: &str = "LocalhostNodePorts";
+
+/// Whether a data plane programmed now (the serving one, and during a switch its target) would
+/// serve NodePorts on 127.0.0.1 with `settings` (the policy's and the flags', before
+/// [`ConntrackSysctls::gate_localhost`]), and so needs `route_localnet=1`.
+pub(super) fn localhost_wanted(settings: &Settings, state: &SwitchState) -> bool {
+    let serves = |mode: ProxyMode| match mode {
+        ProxyMode::Iptables => iptables::render::serves_localhost_node_ports(settings, IpFamily::V4),
+        ProxyMode::Nftables => nftables::render::serves_localhost_node_ports(settings, IpFamily::V4),
+        _ => false,
+    };
+    std::iter::once(state.active).chain(state.target).any(serves)
+}
 
 /// The adapter's name of a knob: its path under `/proc/sys/`, or the absolute path of a file
 /// elsewhere (the hash size under `/sys/module/`; joined to `/proc/sys` an absolute path stays
@@ -89,7 +114,7 @@ fn perform(sysctl: &mut dyn Sysctl, plan: Plan, before: &Replaced) -> (Replaced,
     (replaced, refused)
 }
 
-/// The conntrack sysctls of this node, as the policy asks for them.
+/// The conntrack sysctls of this node, as the policy asks for them, and `route_localnet`.
 #[derive(Debug)]
 pub(super) struct ConntrackSysctls {
     file: StateFile,
@@ -99,7 +124,12 @@ pub(super) struct ConntrackSysctls {
     replaced: Replaced,
     /// Knobs the kernel refused, with the reason already logged.
     refused: BTreeMap<Knob, String>,
+    /// The last settings [`Self::gate_localhost`] handed on served localhost NodePorts.
+    served: bool,
 }
+
+/// The status conditions a pass changed, by type (`None`: no such condition any more).
+pub(super) type Conditions = [(&'static str, Option<Condition>); 2];
 
 impl ConntrackSysctls {
     /// Sysctls of the agent's network namespace, remembering replaced values in `file`.
@@ -111,26 +141,64 @@ impl ConntrackSysctls {
             applied: None,
             replaced,
             refused: BTreeMap::new(),
+            served: false,
         }
     }
 
-    /// Brings the sysctls to what `settings` ask for, if that changed since the last pass;
-    /// returns the status condition when it changed (`Some(None)`: no condition any more).
-    pub fn apply(&mut self, settings: Option<&ConntrackSettings>) -> Option<Option<Condition>> {
-        let wanted = node_sysctls::wanted(settings, cores());
+    /// Localhost NodePorts in `settings` only while they are `wanted` and `route_localnet` is 1
+    /// as the last pass asked (none before the first pass, none where the kernel refused it):
+    /// the data planes then refuse 127.0.0.1:<NodePort> at once instead of DNATing into a route
+    /// the kernel drops.
+    pub fn gate_localhost(&mut self, settings: &mut Settings, wanted: bool) {
+        self.served = wanted && self.route_localnet_set();
+        if !self.served {
+            settings.localhost_node_ports = false;
+            settings.nftables_localhost_node_ports = false;
+        }
+    }
+
+    /// Whether the last pass asked for `route_localnet` (held, or set).
+    fn route_localnet_asked(&self) -> bool {
+        self.applied
+            .as_ref()
+            .is_some_and(|w| w.contains_key(&Knob::RouteLocalnet))
+    }
+
+    /// Whether the last pass set `route_localnet` (asked for it, and the kernel took it).
+    fn route_localnet_set(&self) -> bool {
+        self.route_localnet_asked() && !self.refused.contains_key(&Knob::RouteLocalnet)
+    }
+
+    /// Whether `route_localnet` is still held for rules that the round just synced has removed:
+    /// the next pass puts it back, so another round should follow soon.
+    pub fn release_pending(&self) -> bool {
+        !self.served && self.route_localnet_asked()
+    }
+
+    /// Brings the sysctls to what `settings` ask for, with `route_localnet=1` when `localhost`
+    /// or while the rules last handed on still serve them, if that changed since the last pass;
+    /// returns the status conditions when they may have changed.
+    pub fn apply(&mut self, settings: Option<&ConntrackSettings>, localhost: bool) -> Option<Conditions> {
+        let localhost = localhost || self.served;
+        let wanted = node_sysctls::with_route_localnet(node_sysctls::wanted(settings, cores()), localhost);
         if self.applied.as_ref() == Some(&wanted) {
             return None;
         }
         let plan = node_sysctls::plan(&wanted, &current(), &self.replaced);
         let writes = plan.writes.clone();
         let (replaced, refused) = perform(&mut self.sysctl, plan, &self.replaced);
-        for (knob, why) in &refused {
-            if self.refused.get(knob) != Some(why) {
+        for (knob, why) in refused
+            .iter()
+            .filter(|(k, why)| self.refused.get(*k) != Some(*why))
+        {
+            if knob.is_conntrack() {
                 tracing::warn!(knob = ?knob, reason = %why, "conntrack sysctl not written; the node keeps its value");
+            } else {
+                tracing::warn!(reason = %why, "route_localnet cannot be set: NodePorts on 127.0.0.1 are refused");
             }
         }
         if !writes.is_empty() {
-            tracing::info!(?writes, refused = refused.len(), "conntrack sysctls written");
+            tracing::info!(?writes, refused = refused.len(), "node sysctls written");
         }
         if replaced != self.replaced {
             if let Err(e) = self.file.store_sysctls(&replaced) {
@@ -139,14 +207,62 @@ impl ConntrackSysctls {
             self.replaced = replaced;
         }
         self.refused = refused;
-        let condition = condition(&wanted, &self.refused);
+        let conditions = [
+            (CONDITION, condition(&wanted, &self.refused)),
+            (LOCALNET_CONDITION, localnet_condition(localhost, &self.refused)),
+        ];
         self.applied = Some(wanted);
-        Some(condition)
+        Some(conditions)
     }
+}
+
+/// A condition of `type_` as of now.
+fn new_condition(type_: &str, ok: bool, reason: &str, message: String) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: if ok { "True".into() } else { "False".into() },
+        reason: reason.into(),
+        message,
+        last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::now(),
+        ),
+        observed_generation: None,
+    }
+}
+
+/// The `LocalhostNodePorts` condition: none unless a data plane serves them.
+fn localnet_condition(localhost: bool, refused: &BTreeMap<Knob, String>) -> Option<Condition> {
+    if !localhost {
+        return None;
+    }
+    Some(match refused.get(&Knob::RouteLocalnet) {
+        None => new_condition(
+            LOCALNET_CONDITION,
+            true,
+            "Served",
+            "route_localnet=1: NodePorts answer on 127.0.0.1 (IPv4)".into(),
+        ),
+        Some(why) => new_condition(
+            LOCALNET_CONDITION,
+            false,
+            "NotWritable",
+            format!("route_localnet cannot be set, so NodePorts on 127.0.0.1 are refused: {why}"),
+        ),
+    })
 }
 
 /// The `ConntrackSysctls` condition: none when nothing is asked or refused.
 fn condition(wanted: &Wanted, refused: &BTreeMap<Knob, String>) -> Option<Condition> {
+    let wanted: Wanted = wanted
+        .iter()
+        .filter(|(k, _)| k.is_conntrack())
+        .map(|(k, v)| (*k, *v))
+        .collect();
+    let refused: BTreeMap<Knob, String> = refused
+        .iter()
+        .filter(|(k, _)| k.is_conntrack())
+        .map(|(k, v)| (*k, v.clone()))
+        .collect();
     if wanted.is_empty() && refused.is_empty() {
         return None;
     }
@@ -164,16 +280,7 @@ fn condition(wanted: &Wanted, refused: &BTreeMap<Knob, String>) -> Option<Condit
         let why: Vec<&str> = refused.values().map(String::as_str).collect();
         (false, "NotWritable", format!("not written: {}", why.join("; ")))
     };
-    Some(Condition {
-        type_: CONDITION.into(),
-        status: if ok { "True".into() } else { "False".into() },
-        reason: reason.into(),
-        message,
-        last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            k8s_openapi::jiff::Timestamp::now(),
-        ),
-        observed_generation: None,
-    })
+    Some(new_condition(CONDITION, ok, reason, message))
 }
 
 /// `--cleanup`: puts back every conntrack sysctl value the agent replaced (remembered in `file`);
@@ -234,6 +341,68 @@ mod tests {
             ok.message
         );
         assert!(condition(&Wanted::new(), &BTreeMap::new()).is_none());
+    }
+
+    #[test]
+    fn localhost_node_ports_need_a_confirmed_route_localnet() {
+        let state = |active, target| SwitchState {
+            target,
+            ..SwitchState::active(active)
+        };
+        let defaults = Settings::default();
+        assert!(localhost_wanted(&defaults, &state(ProxyMode::Iptables, None)));
+        assert!(!localhost_wanted(&defaults, &state(ProxyMode::Nftables, None)));
+        assert!(!localhost_wanted(&defaults, &state(ProxyMode::Ipvs, None)));
+        // During a switch the target counts too.
+        assert!(localhost_wanted(
+            &defaults,
+            &state(ProxyMode::Nftables, Some(ProxyMode::Iptables))
+        ));
+        let nft_on = Settings {
+            nftables_localhost_node_ports: true,
+            ..Settings::default()
+        };
+        assert!(localhost_wanted(&nft_on, &state(ProxyMode::Nftables, None)));
+
+        let mut sysctls = ConntrackSysctls::new(StateFile("/nonexistent/state.json".into()));
+        let mut gated = nft_on.clone();
+        sysctls.gate_localhost(&mut gated, true);
+        assert!(
+            !gated.nftables_localhost_node_ports && !gated.localhost_node_ports,
+            "nothing applied yet: not served"
+        );
+        assert!(!sysctls.release_pending());
+        sysctls.applied = Some(node_sysctls::with_route_localnet(Wanted::new(), true));
+        let mut gated = nft_on.clone();
+        sysctls.gate_localhost(&mut gated, true);
+        assert_eq!(gated, nft_on, "route_localnet set: served as asked");
+        assert!(!sysctls.release_pending());
+        // Turned off: not served from this round on; route_localnet is held until the next pass.
+        let mut gated = nft_on.clone();
+        sysctls.gate_localhost(&mut gated, false);
+        assert!(!gated.nftables_localhost_node_ports);
+        assert!(sysctls.release_pending(), "held until the rules are gone");
+        sysctls.applied = Some(Wanted::new());
+        assert!(!sysctls.release_pending(), "released");
+        sysctls.applied = Some(node_sysctls::with_route_localnet(Wanted::new(), true));
+        sysctls.refused.insert(
+            Knob::RouteLocalnet,
+            "/proc/sys/net/ipv4/conf/all/route_localnet: Read-only file system".into(),
+        );
+        let mut gated = nft_on.clone();
+        sysctls.gate_localhost(&mut gated, true);
+        assert!(!gated.nftables_localhost_node_ports, "refused: not served");
+
+        let c = localnet_condition(true, &sysctls.refused).expect("a condition");
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "NotWritable"));
+        assert!(c.message.contains("Read-only"), "{}", c.message);
+        assert!(
+            condition(&Wanted::new(), &sysctls.refused).is_none(),
+            "not a conntrack refusal"
+        );
+        let ok = localnet_condition(true, &BTreeMap::new()).expect("a condition");
+        assert_eq!((ok.status.as_str(), ok.reason.as_str()), ("True", "Served"));
+        assert!(localnet_condition(false, &BTreeMap::new()).is_none());
     }
 
     #[test]

@@ -66,6 +66,7 @@ pub fn settings() -> Settings {
         masquerade_mark: 0x4000,
         ipvs: Default::default(),
         localhost_node_ports: true,
+        nftables_localhost_node_ports: false,
         service_cidrs: vec![
             "10.96.0.0/16".parse().expect("cidr"),
             "fd00:10:96::/112".parse().expect("cidr"),

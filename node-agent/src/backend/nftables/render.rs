@@ -122,7 +122,7 @@ pub fn base(settings: &Settings, family: IpFamily) -> Ruleset {
         }
         None => vec![Expr::FibDaddrLocal, Expr::DaddrIn(loopback(family), true)],
     };
-    let mut chains = hook_chains();
+    let mut chains = hook_chains(serves_localhost_node_ports(settings, family));
     chains.extend(check_chains(settings, family, &nodeport_match));
     chains.extend(dispatch_chains(settings, family, nodeport_match));
     Ruleset {
@@ -210,10 +210,55 @@ fn fixed_sets() -> Vec<SetDef> {
     ]
 }
 
+/// Whether a render of `family` with `settings` serves NodePorts on `127.0.0.1` (and so needs
+/// `net.ipv4.conf.all.route_localnet=1`): IPv4 with [`Settings::nftables_localhost_node_ports`],
+/// on top of whatever `nodePortAddresses` says (as KEP-6032's `primary,localhost`). IPv6 never:
+/// the kernel does not route `::1` off the node (kube-proxy serves none either).
+pub fn serves_localhost_node_ports(settings: &Settings, family: IpFamily) -> bool {
+    family == IpFamily::V4 && settings.nftables_localhost_node_ports
+}
+
+/// The rule of `nat-output` that sends node-local connections to `127.0.0.0/8` through the
+/// NodePort dispatch. Only in the output path: a packet from elsewhere to 127.0.0.1 is never
+/// DNATed (kube-proxy's iptables mode DNATs it in PREROUTING too). Every NodePort is
+/// masqueraded there (the endpoint cannot answer 127.0.0.1): Cluster ones through
+/// `masquerade-nodeports`, Local ones because the source is a local address.
+fn localhost_node_ports_rule() -> Rule {
+    Rule::new(vec![
+        Expr::DaddrIn(loopback(IpFamily::V4), false),
+        Expr::Verdict(Verdict::Jump("nodeports".into())),
+    ])
+    .comment("localhost NodePorts (route_localnet)")
+}
+
+/// The guard of localhost NodePorts, kube-proxy's `KUBE-FIREWALL` rule against CVE-2020-8558:
+/// with `route_localnet=1` the kernel accepts packets to `127.0.0.0/8` from other hosts, so new
+/// connections to loopback from a non-loopback source are dropped (replies to our masqueraded
+/// NodePort connections are established, not new).
+fn localnet_guard_rule() -> Rule {
+    Rule::new(vec![
+        Expr::CtStateNew,
+        Expr::SaddrIn(loopback(IpFamily::V4), true),
+        Expr::DaddrIn(loopback(IpFamily::V4), false),
+        Expr::Verdict(Verdict::Drop),
+    ])
+    .comment("block incoming localnet connections")
+}
+
 /// The base chains on the netfilter hooks: the filter ones jump to the checks for new
-/// connections, the nat ones to the dispatch and the masquerading.
-fn hook_chains() -> Vec<Chain> {
+/// connections, the nat ones to the dispatch and the masquerading; with `localhost` (IPv4
+/// localhost NodePorts) the output path also dispatches `127.0.0.0/8` and the input path guards
+/// it.
+fn hook_chains(localhost: bool) -> Vec<Chain> {
     let jump = |target: &str| Rule::new(vec![Expr::Verdict(Verdict::Jump(target.into()))]);
+    let only_localhost = |rule: fn() -> Rule| localhost.then(rule);
+    let mut input = vec![
+        jump_new("nodeport-endpoints-check"),
+        jump_new("service-endpoints-check"),
+    ];
+    input.extend(only_localhost(localnet_guard_rule));
+    let mut nat_output = vec![jump("services")];
+    nat_output.extend(only_localhost(localhost_node_ports_rule));
     vec![
         base_chain(
             "filter-prerouting-pre-dnat",
@@ -236,16 +281,7 @@ fn hook_chains() -> Vec<Chain> {
             0,
             vec![jump_new("service-endpoints-check"), jump_new("cluster-ips-check")],
         ),
-        base_chain(
-            "filter-input",
-            false,
-            Hook::Input,
-            0,
-            vec![
-                jump_new("nodeport-endpoints-check"),
-                jump_new("service-endpoints-check"),
-            ],
-        ),
+        base_chain("filter-input", false, Hook::Input, 0, input),
         base_chain(
             "filter-output",
             false,
@@ -260,7 +296,7 @@ fn hook_chains() -> Vec<Chain> {
             -100,
             vec![jump("services")],
         ),
-        base_chain("nat-output", true, Hook::Output, -100, vec![jump("services")]),
+        base_chain("nat-output", true, Hook::Output, -100, nat_output),
         base_chain(
             "nat-postrouting",
             true,

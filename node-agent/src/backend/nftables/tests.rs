@@ -395,3 +395,92 @@ mod conformance_fake {
 mod conformance_kernel {
     super::conformance_suite!(super::KernelKit);
 }
+
+/// The scenario's settings with localhost NodePorts on in nftables mode.
+fn localhost_settings() -> (crate::model::DualSnapshot, Settings) {
+    let (snap, settings) = dual_scenario();
+    let on = Settings {
+        nftables_localhost_node_ports: true,
+        ..settings
+    };
+    (snap, on)
+}
+
+/// Lines of `after` that `before` lacks, and of `before` that `after` lacks (each in order).
+fn line_diff(before: &str, after: &str) -> (Vec<String>, Vec<String>) {
+    let (b, a): (Vec<&str>, Vec<&str>) = (before.lines().collect(), after.lines().collect());
+    let added = a
+        .iter()
+        .filter(|l| !b.contains(l))
+        .map(|l| l.trim().to_owned())
+        .collect();
+    let removed = b
+        .iter()
+        .filter(|l| !a.contains(l))
+        .map(|l| l.trim().to_owned())
+        .collect();
+    (added, removed)
+}
+
+const LOCALNET_GUARD: &str = "ct state new ip saddr != 127.0.0.0/8 ip daddr 127.0.0.0/8 drop comment \"block incoming localnet connections\"";
+const LOCALHOST_DISPATCH: &str =
+    "ip daddr 127.0.0.0/8 jump nodeports comment \"localhost NodePorts (route_localnet)\"";
+
+/// Off (kube-proxy's nftables default) the goldens hold; on, the IPv4 table gains exactly the
+/// guard in `filter-input` and the loopback dispatch in `nat-output`, each last in its chain, and
+/// the IPv6 table nothing (`::1` is never routed off the node).
+#[test]
+fn localhost_node_ports_add_two_ipv4_rules_only() {
+    let (snap, off) = dual_scenario();
+    assert!(!off.nftables_localhost_node_ports, "the goldens are the default");
+    let (_, on) = localhost_settings();
+    let text = |s: &Snapshot, settings: &Settings| render::full(s, settings).text();
+    let (added, removed) = line_diff(&text(&snap.v4, &off), &text(&snap.v4, &on));
+    assert_eq!(added, [LOCALNET_GUARD, LOCALHOST_DISPATCH]);
+    assert!(removed.is_empty(), "{removed:?}");
+    assert_eq!(text(&snap.v6, &off), text(&snap.v6, &on));
+    let chain_of = |name: &str| -> Vec<String> {
+        let t = text(&snap.v4, &on);
+        let start = t.find(&format!("chain {name} {{")).expect("chain");
+        let body = &t[start..];
+        body[..body.find('}').expect("end")]
+            .lines()
+            .map(|l| l.trim().to_owned())
+            .filter(|l| !l.is_empty())
+            .collect()
+    };
+    assert_eq!(
+        chain_of("filter-input").last().map(String::as_str),
+        Some(LOCALNET_GUARD)
+    );
+    assert_eq!(
+        chain_of("nat-output").last().map(String::as_str),
+        Some(LOCALHOST_DISPATCH)
+    );
+}
+
+/// The two rules as the kernel lists them after a netlink sync: only those lines differ from the
+/// golden listing, and `nft -f` of our text render lists the same.
+#[test]
+fn kernel_lists_the_localhost_rules_as_rendered() {
+    let (snap, on) = localhost_settings();
+    let ns = TestNetns::new("nft-localhost");
+    let (s2, set2) = (snap.clone(), on.clone());
+    ns.run(move || {
+        NftablesBackend::new(set2)
+            .sync(&s2, &Changes::default(), true)
+            .map_err(|e| e.to_string())
+    })
+    .expect("full sync");
+    let listed = list(&ns, IpFamily::V4);
+    let (added, removed) = line_diff(&golden::read("nftables", "scenario.list.nft"), &listed);
+    assert_eq!(added, [LOCALNET_GUARD, LOCALHOST_DISPATCH], "{listed}");
+    assert!(removed.is_empty(), "{removed:?}");
+
+    let oracle = TestNetns::new("nft-localhost-oracle");
+    let script = std::env::temp_dir().join(format!("swyu{}-localhost.nft", std::process::id()));
+    std::fs::write(&script, NftablesBackend::new(on).render_text(&snap)).expect("write script");
+    oracle.sh(&["nft", "-f", &script.display().to_string()]);
+    let _ = std::fs::remove_file(&script);
+    assert_eq!(listed, list(&oracle, IpFamily::V4));
+}
