@@ -136,16 +136,16 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 "mode: nftables\n",
                 "mode: ipvs\n  proxy:\n    localhostNodePorts: true\n",
             ),
-            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables mode only"#,
+            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables and nftables mode only"#,
         ),
         (
-            "localhost-nodeports-nft-fallback",
+            "localhost-nodeports-ipvs-fallback",
             variant(
-                "localhost-nodeports-nft-fallback",
+                "localhost-nodeports-ipvs-fallback",
                 "mode: nftables\n",
-                "mode: iptables\n  fallback: nftables\n  proxy:\n    localhostNodePorts: true\n",
+                "mode: iptables\n  fallback: ipvs\n  proxy:\n    localhostNodePorts: true\n",
             ),
-            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables mode only"#,
+            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables and nftables mode only"#,
         ),
         (
             "primary-with-cidr",
@@ -248,13 +248,13 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
             r#"spec.fallback: Unsupported value: "userspace": supported values: "skip", "iptables", "ipvs", "nftables", "external""#,
         ),
         (
-            "localhost-nodeports-nftables",
+            "localhost-nodeports-nftables-ipvs-fallback",
             variant(
-                "localhost-nodeports-nftables",
+                "localhost-nodeports-nftables-ipvs-fallback",
                 waves,
-                &format!("{waves}  proxy:\n    localhostNodePorts: true\n"),
+                &format!("  fallback: ipvs\n{waves}  proxy:\n    localhostNodePorts: true\n"),
             ),
-            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables mode only: set spec.mode to iptables (with no fallback, or fallback skip) or remove proxy.localhostNodePorts"#,
+            r#"spec: Invalid value: proxy.localhostNodePorts works in iptables and nftables mode only (IPVS does not serve NodePorts on 127.0.0.1, nor does kube-proxy's IPVS mode): set spec.mode (and spec.fallback, if any) to iptables or nftables, or remove proxy.localhostNodePorts"#,
         ),
         (
             "min-sync-above-sync",

@@ -125,7 +125,14 @@ pub struct ProxySettings {
     #[schemars(range(min = 1, max = 86400))]
     pub sync_period_seconds: Option<u32>,
 
-    /// Allow NodePorts on 127.0.0.1 (iptables mode only; needs `route_localnet`). Default false.
+    /// Serve NodePorts on 127.0.0.1 to clients on the node itself (IPv4 only: `::1` is never
+    /// served). iptables mode does it as kube-proxy's `--iptables-localhost-nodeports`; nftables
+    /// mode, where kube-proxy does not serve them, in the kernel the same way (a DNAT of node-local
+    /// connections, masqueraded, on top of `nodePortAddresses`). Both set
+    /// `net.ipv4.conf.all.route_localnet=1`, guarded by a rule that drops new connections to
+    /// 127.0.0.0/8 from other hosts, and put the node's value back when off. Off, 127.0.0.1:<NodePort>
+    /// is refused at once. Not in IPVS mode (nor kube-proxy's). A change applies without a restart.
+    /// Absent: the agent's flags, kube-proxy's defaults: on in iptables mode, off in nftables mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub localhost_node_ports: Option<bool>,
 

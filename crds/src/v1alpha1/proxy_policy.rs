@@ -60,7 +60,7 @@ use super::{HealthGate, ProxyMode, ProxySettings};
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[x_kube(validation = Rule::new("!has(self.fallback) || self.fallback != self.mode").message("spec.fallback must differ from spec.mode (use 'skip' to leave incompatible nodes alone)"))]
-#[x_kube(validation = Rule::new("!has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts || (self.mode == 'iptables' && (!has(self.fallback) || self.fallback == 'skip'))").message("proxy.localhostNodePorts works in iptables mode only: set spec.mode to iptables (with no fallback, or fallback skip) or remove proxy.localhostNodePorts"))]
+#[x_kube(validation = Rule::new("!has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts || (self.mode in ['iptables', 'nftables'] && (!has(self.fallback) || self.fallback in ['skip', 'iptables', 'nftables']))").message("proxy.localhostNodePorts works in iptables and nftables mode only (IPVS does not serve NodePorts on 127.0.0.1, nor does kube-proxy's IPVS mode): set spec.mode (and spec.fallback, if any) to iptables or nftables, or remove proxy.localhostNodePorts"))]
 #[x_kube(validation = Rule::new("self.mode != 'external' || !has(self.fallback) || self.fallback == 'skip'").message("spec.fallback has no meaning with mode external (every node can hand over to another proxy): remove spec.fallback"))]
 #[x_kube(validation = Rule::new("self.mode != 'external' || !has(self.proxy)").message("spec.proxy configures Switchyard's own data planes; with mode external another proxy serves the pool and is configured its own way: remove spec.proxy"))]
 #[serde(rename_all = "camelCase")]
