@@ -275,9 +275,11 @@ impl Iptables {
     /// listed in `/proc/net/ip_tables_names` (`ip6_tables_names`). Without that file (x_tables
     /// not loaded) no legacy table exists.
     pub fn legacy_table_exists(&self, table: Table) -> Result<bool, IptablesError> {
+        // The calling thread's namespace: `/proc/net` follows the process's main thread, which a
+        // thread that entered another network namespace (as the kernel tests do) is not.
         let file = match self.family {
-            IpFamily::V4 => "/proc/net/ip_tables_names",
-            IpFamily::V6 => "/proc/net/ip6_tables_names",
+            IpFamily::V4 => "/proc/thread-self/net/ip_tables_names",
+            IpFamily::V6 => "/proc/thread-self/net/ip6_tables_names",
         };
         let names = match &self.netns {
             None => std::fs::read_to_string(file).unwrap_or_default(),
