@@ -450,12 +450,14 @@ impl Desired {
 pub const IPVSADM_HEADER: &str = "IP Virtual Server version 1.2.1 (size=4096)\n\
 Prot LocalAddress:Port Scheduler Flags\n  -> RemoteAddress:Port           Forward Weight ActiveConn InActConn\n";
 
-fn service_line(svc: &ipvs::Service) -> String {
+/// A virtual server's line as `ipvsadm -Ln` prints it.
+pub(super) fn service_line(svc: &ipvs::Service) -> String {
     let addr = match svc.addr.addr {
         IpAddr::V4(a) => format!("{a}:{}", svc.addr.port),
         IpAddr::V6(a) => format!("[{a}]:{}", svc.addr.port),
     };
-    let mut line = format!("{}  {addr} {}", svc.addr.protocol.k8s_name(), svc.scheduler);
+    // ipvsadm pads the protocol to four columns: `TCP  10.96.0.1:80`, `SCTP 10.96.0.1:80`.
+    let mut line = format!("{:<4} {addr} {}", svc.addr.protocol.k8s_name(), svc.scheduler);
     if svc.flags & FLAG_SCHED2 != 0 && (svc.scheduler == "mh" || svc.scheduler == "sh") {
         line.push_str(&format!(" ({}-port)", svc.scheduler));
     }
@@ -465,7 +467,8 @@ fn service_line(svc: &ipvs::Service) -> String {
     line
 }
 
-fn dest_line(addr: &str, fwd: &str, weight: u32) -> String {
+/// A real server's line as `ipvsadm -Ln` prints it, with zero connection counters.
+pub(super) fn dest_line(addr: &str, fwd: &str, weight: u32) -> String {
     format!("  -> {addr:<28} {fwd:<7} {weight:<6} {:<10} {:<10}", 0, 0)
         .trim_end()
         .to_owned()
