@@ -5,6 +5,9 @@
 //! `ipvsadm -Ln` against the golden render, the bypass (new connections refused, objects and open
 //! connections kept), the agent's switch driver moving the node ipvs -> nftables -> ipvs under a
 //! client load with zero failed connections and no leftovers, and the 1k/10k sync benchmark).
+//! The backend conformance suite runs there too on the kernel's adapters (each case in its own
+//! network namespace), with the fake adapters checked against the kernel: the same end state
+//! after full and partial syncs, and the same typed refusals from the IPVS table.
 //!
 //! The same run carries the SCTP tier (this host kernel has no SCTP): for the nftables and the
 //! iptables (legacy) backends, real SCTP associations from a client namespace to an SCTP ClusterIP
@@ -21,7 +24,7 @@ use std::{collections::BTreeMap, process::Command};
 use switchyard_e2e::stats::{SPREAD_2, check_uniform};
 
 /// Lines of the VM's output that must be present when the run passes.
-const MUST_SHOW: [&str; 26] = [
+const MUST_SHOW: [&str; 35] = [
     "VMTEST probe: kernel 6.1.0-57-amd64 ipvs usable=true",
     "VMTEST ipvsadm -Ln matches testdata/vm.ipvsadm",
     "VMTEST ClusterIP TCP rr:",
@@ -50,6 +53,17 @@ const MUST_SHOW: [&str; 26] = [
     "VMTEST sctp iptables spread: ClusterIP ",
     "VMTEST sctp iptables no endpoints: ClusterIP Err(Os(ENOPROTOOPT)) in ",
     "VMTEST sctp iptables cleanup: 0 switchyard objects left",
+    // The conformance suite on the kernel (libtest's line for each case: a failing case fails
+    // the run's exit status, so its presence shows it ran and passed), and the fake against it.
+    "test backend::ipvs::tests::vm::conformance::cleanup_before_sync ... ",
+    "test backend::ipvs::tests::vm::conformance::full_equals_partial ... ",
+    "test backend::ipvs::tests::vm::conformance::failure_forces_full_resync ... ",
+    "test backend::ipvs::tests::vm::conformance::bypass_survives_sync ... ",
+    "test backend::ipvs::tests::vm::conformance::verify_empty_after_sync ... ",
+    "test backend::ipvs::tests::vm::conformance::cleanup_twice_leaves_nothing ... ",
+    "test backend::ipvs::tests::vm::conformance::cleanup_collects_every_error ... ",
+    "VMTEST conformance: fake and kernel IPVS agree after full and partial syncs",
+    "VMTEST conformance: IPVS table refusals [0, 17, 2, 2, 2, 2, 0, 17, 2, 2, 0, 0, 0, 2, 0] equal the fake's",
 ];
 
 /// The SCTP servers (`sctp_vm_tests::SERVERS`).

@@ -120,6 +120,8 @@ pub trait Links: std::fmt::Debug + Send {
     fn delete(&mut self, name: &str) -> Result<bool, LinkError>;
     /// The IPv4 addresses on link `name`.
     fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError>;
+    /// Every local IPv4 address with its device.
+    fn all_addresses(&self) -> Result<Vec<(String, Ipv4Addr)>, LinkError>;
     /// Adds `add` and removes `remove` (as /32) on link `name`.
     fn update_addresses(
         &mut self,
@@ -148,6 +150,10 @@ impl Links for KernelLinks {
 
     fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError> {
         addresses(name)
+    }
+
+    fn all_addresses(&self) -> Result<Vec<(String, Ipv4Addr)>, LinkError> {
+        all_addresses()
     }
 
     fn update_addresses(
@@ -197,8 +203,17 @@ impl Links for FakeLinks {
         Ok(self.links.remove(name).is_some())
     }
 
+    /// Empty when the link does not exist, as [`KernelLinks`] answers.
     fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError> {
-        self.links.get(name).cloned().ok_or_else(|| Self::missing(name))
+        Ok(self.links.get(name).cloned().unwrap_or_default())
+    }
+
+    fn all_addresses(&self) -> Result<Vec<(String, Ipv4Addr)>, LinkError> {
+        Ok(self
+            .links
+            .iter()
+            .flat_map(|(name, addresses)| addresses.iter().map(move |a| (name.clone(), *a)))
+            .collect())
     }
 
     fn update_addresses(
@@ -247,7 +262,7 @@ mod tests {
     fn fake_links_hold_addresses_and_refuse_what_the_kernel_refuses() {
         let mut links = FakeLinks::new();
         let a: Ipv4Addr = "10.96.0.1".parse().expect("ip");
-        assert!(links.addresses("swy-ipvs0").is_err());
+        assert_eq!(links.addresses("swy-ipvs0").ok(), Some(BTreeSet::new()));
         assert_eq!(links.ensure_dummy("swy-ipvs0").ok(), Some(true));
         assert_eq!(links.ensure_dummy("swy-ipvs0").ok(), Some(false));
         links

@@ -227,37 +227,51 @@ pub fn kits_agree<A: Kit, B: Kit>(a: &A, b: &B) {
     assert_eq!(partial_a, partial_b, "after the partial sync");
 }
 
-/// Expands to one `#[test]` per case of the suite for the kit `$kit` (an expression).
+/// Expands to one `#[test]` per case of the suite for the kit `$kit` (an expression); with
+/// `ignore = "why"` the tests are `#[ignore]`d (kits that need a kernel only a VM has).
 macro_rules! conformance_suite {
-    ($kit:expr) => {
+    (@cases $kit:expr; $(#[$attr:meta])*) => {
         #[test]
+        $(#[$attr])*
         fn cleanup_before_sync() {
             $crate::backend::conformance::suite::cleanup_before_sync(&$kit);
         }
         #[test]
+        $(#[$attr])*
         fn full_equals_partial() {
             $crate::backend::conformance::suite::full_equals_partial(&$kit);
         }
         #[test]
+        $(#[$attr])*
         fn failure_forces_full_resync() {
             $crate::backend::conformance::suite::failure_forces_full_resync(&$kit);
         }
         #[test]
+        $(#[$attr])*
         fn bypass_survives_sync() {
             $crate::backend::conformance::suite::bypass_survives_sync(&$kit);
         }
         #[test]
+        $(#[$attr])*
         fn verify_empty_after_sync() {
             $crate::backend::conformance::suite::verify_empty_after_sync(&$kit);
         }
         #[test]
+        $(#[$attr])*
         fn cleanup_twice_leaves_nothing() {
             $crate::backend::conformance::suite::cleanup_twice_leaves_nothing(&$kit);
         }
         #[test]
+        $(#[$attr])*
         fn cleanup_collects_every_error() {
             $crate::backend::conformance::suite::cleanup_collects_every_error(&$kit);
         }
+    };
+    ($kit:expr, ignore = $why:literal) => {
+        $crate::backend::conformance::suite::conformance_suite!(@cases $kit; #[ignore = $why]);
+    };
+    ($kit:expr) => {
+        $crate::backend::conformance::suite::conformance_suite!(@cases $kit;);
     };
 }
 pub(crate) use conformance_suite;

@@ -67,6 +67,12 @@
 //! connections fall through to IPVS the moment the old one is bypassed; *from* IPVS, the new
 //! backend's DNAT takes new connections as soon as it is un-bypassed, before IPVS is bypassed.
 //! Measured with traffic in the VM tier (`vm_k_*`: the switch driver under a client load).
+//!
+//! # Adapters
+//! [`IpvsBackend`] reaches the kernel only through its adapters: iptables tools
+//! ([`SaveRestore`]), the IPVS table ([`IpvsTable`]), ipsets ([`Ipsets`]), links ([`Links`]) and
+//! sysctls ([`Sysctl`]). [`IpvsBackend::new`] uses the kernel's; tests pass fakes to
+//! [`IpvsBackend::with_adapters`] (the conformance suite runs on both).
 
 pub mod render;
 
@@ -80,9 +86,12 @@ use switchyard_crds::v1alpha1::ProxyMode;
 
 use crate::backend::{Backend, BackendError, Settings, SyncStats};
 use crate::model::{Changes, DualSnapshot, Ipv4Net, Snapshot};
-use crate::sys::iptables::{Iptables, IptablesError, Table, Variant};
-use crate::sys::ipvs::{Destination, Ipvs, IpvsError, Op, ServiceKey, VirtualAddr};
-use crate::sys::{ipset, link};
+use crate::sys::KernelError;
+use crate::sys::ipset::{self, Ipsets, KernelIpsets};
+use crate::sys::iptables::{Iptables, IptablesError, SaveRestore, Table, Variant};
+use crate::sys::ipvs::{Destination, IpvsTable, KernelIpvs, Op, ServiceKey, VirtualAddr};
+use crate::sys::link::{KernelLinks, Links};
+use crate::sys::sysctl::{HostSysctl, Sysctl};
 
 use render::{Desired, JumpEdits, LINK};
 
@@ -110,15 +119,14 @@ impl Default for IpvsOptions {
     }
 }
 
-impl From<IpvsError> for BackendError {
-    fn from(e: IpvsError) -> Self {
-        match e {
-            IpvsError::Transport(e) => BackendError::Agent(e),
-            other => BackendError::Kernel {
-                backend: BACKEND,
-                detail: other.to_string(),
-            },
-        }
+/// An IPVS adapter's error: a socket failure as the agent's, a refusal as the kernel's.
+fn ipvs_err(e: KernelError) -> BackendError {
+    match e {
+        KernelError::Transport(e) => BackendError::Agent(e),
+        other => BackendError::Kernel {
+            backend: BACKEND,
+            detail: other.to_string(),
+        },
     }
 }
 
@@ -141,12 +149,21 @@ fn ipt_err(e: IptablesError) -> BackendError {
 /// A real server identity within one virtual server.
 type RealKey = (VirtualAddr, IpAddr, u16);
 
-/// The IPVS data plane.
+/// The IPVS data plane, on the kernel's adapters unless built [`with_adapters`](Self::with_adapters).
 #[derive(Debug)]
-pub struct IpvsBackend {
+pub struct IpvsBackend<
+    I: SaveRestore = Iptables,
+    T: IpvsTable = KernelIpvs,
+    P: Ipsets = KernelIpsets,
+    L: Links = KernelLinks,
+    S: Sysctl = HostSysctl,
+> {
     settings: Settings,
-    ipt: Iptables,
-    ipvs: Option<Ipvs>,
+    ipt: I,
+    ipvs: T,
+    ipsets: P,
+    links: L,
+    sysctl: S,
     /// Virtual servers and real servers (weight 1) applied by the last successful sync.
     applied: BTreeMap<VirtualAddr, (crate::sys::ipvs::Service, BTreeSet<(Ipv4Addr, u16)>)>,
     /// Real servers kept at weight 0 until their connections end.
@@ -171,10 +188,27 @@ pub struct IpvsBackend {
 impl IpvsBackend {
     /// A backend using the `variant` iptables tools, in the current network namespace.
     pub fn new(variant: Variant, settings: Settings) -> Self {
+        Self::with_adapters(
+            settings,
+            Iptables::new(variant, None),
+            KernelIpvs::new(),
+            KernelIpsets,
+            KernelLinks,
+            HostSysctl::new(None),
+        )
+    }
+}
+
+impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I, T, P, L, S> {
+    /// A backend on the given adapters: IPv4 iptables tools, IPVS table, ipsets, links, sysctls.
+    pub fn with_adapters(settings: Settings, ipt: I, ipvs: T, ipsets: P, links: L, sysctl: S) -> Self {
         Self {
             settings,
-            ipt: Iptables::new(variant, None),
-            ipvs: None,
+            ipt,
+            ipvs,
+            ipsets,
+            links,
+            sysctl,
             applied: BTreeMap::new(),
             terminating: BTreeSet::new(),
             sets: BTreeMap::new(),
@@ -203,14 +237,57 @@ impl IpvsBackend {
         &self.terminating
     }
 
-    fn ipvs(&mut self) -> Result<&mut Ipvs, BackendError> {
-        if self.ipvs.is_none() {
-            self.ipvs = Some(Ipvs::open()?);
-        }
-        self.ipvs.as_mut().ok_or_else(|| BackendError::Kernel {
-            backend: BACKEND,
-            detail: "no IPVS socket".into(),
-        })
+    /// The iptables tools.
+    pub fn iptables(&self) -> &I {
+        &self.ipt
+    }
+
+    /// The iptables tools, to inject faults.
+    pub fn iptables_mut(&mut self) -> &mut I {
+        &mut self.ipt
+    }
+
+    /// The IPVS table.
+    pub fn ipvs_table(&self) -> &T {
+        &self.ipvs
+    }
+
+    /// The IPVS table, to inject faults or play traffic on a fake.
+    pub fn ipvs_table_mut(&mut self) -> &mut T {
+        &mut self.ipvs
+    }
+
+    /// The ipsets.
+    pub fn ipsets(&self) -> &P {
+        &self.ipsets
+    }
+
+    /// The ipsets, to inject faults.
+    pub fn ipsets_mut(&mut self) -> &mut P {
+        &mut self.ipsets
+    }
+
+    /// The links.
+    pub fn links(&self) -> &L {
+        &self.links
+    }
+
+    /// The links, to inject faults or add node addresses on a fake.
+    pub fn links_mut(&mut self) -> &mut L {
+        &mut self.links
+    }
+
+    /// Local IPv4 addresses outside the dummy link, except loopback (where NodePorts may go).
+    fn node_addresses(&self) -> Result<Vec<Ipv4Addr>, BackendError> {
+        let all = self
+            .links
+            .all_addresses()
+            .map_err(|e| cmd_err("ip addr")(e.to_string()))?;
+        Ok(all
+            .into_iter()
+            .filter(|(dev, a)| dev != LINK && !a.is_loopback())
+            .map(|(_, a)| a)
+            .collect())
     }
 
     fn excluded(&self, addr: &IpAddr) -> bool {
@@ -226,12 +303,7 @@ impl IpvsBackend {
         if let Some(list) = self.settings.node_port_addresses(crate::model::IpFamily::V4) {
             return Ok(render::ipv4s(&list));
         }
-        let all = link::all_addresses().map_err(|e| cmd_err("ip addr")(e.to_string()))?;
-        let mut ips: Vec<Ipv4Addr> = all
-            .into_iter()
-            .filter(|(dev, a)| dev != LINK && !a.is_loopback())
-            .map(|(_, a)| a)
-            .collect();
+        let mut ips = self.node_addresses()?;
         ips.sort();
         ips.dedup();
         Ok(ips)
@@ -247,7 +319,7 @@ impl IpvsBackend {
         ))
     }
 
-    fn sysctls(&self) -> Result<(), BackendError> {
+    fn sysctls(&mut self) -> Result<(), BackendError> {
         let mut list = vec![
             ("net/ipv4/vs/conntrack", "1"),
             ("net/ipv4/vs/expire_nodest_conn", "1"),
@@ -259,7 +331,8 @@ impl IpvsBackend {
             list.push(("net/ipv4/conf/all/arp_announce", "2"));
         }
         for (path, value) in list {
-            crate::sys::ipvs::set_sysctl(path, value)
+            self.sysctl
+                .ensure(path, value)
                 .map_err(|e| cmd_err("sysctl")(format!("{path}={value}: {e}")))?;
         }
         Ok(())
@@ -300,7 +373,11 @@ impl IpvsBackend {
         let mut objects = 0;
         if full {
             self.sysctls()?;
-            if link::ensure_dummy(LINK).map_err(|e| cmd_err("ip link")(e.to_string()))? {
+            if self
+                .links
+                .ensure_dummy(LINK)
+                .map_err(|e| cmd_err("ip link")(e.to_string()))?
+            {
                 objects += 1;
             }
             self.node_port_ips = self.node_port_addresses()?;
@@ -313,7 +390,9 @@ impl IpvsBackend {
             .values()
             .filter(|s| full || self.sets.get(&s.name) != Some(*s))
             .collect();
-        ipset::restore(&changed).map_err(|e| cmd_err("ipset restore")(e.to_string()))?;
+        self.ipsets
+            .restore(&changed)
+            .map_err(|e| cmd_err("ipset restore")(e.to_string()))?;
         objects += changed.iter().map(|s| s.entries.len() + 1).sum::<usize>();
 
         // iptables: the chains are small and fixed; rewrite them every sync (with the jump rules
@@ -335,19 +414,23 @@ impl IpvsBackend {
 
         // Addresses: bind new ones first.
         let linked = if full {
-            link::addresses(LINK).map_err(|e| cmd_err("ip addr")(e.to_string()))?
+            self.links
+                .addresses(LINK)
+                .map_err(|e| cmd_err("ip addr")(e.to_string()))?
         } else {
             self.bound.clone()
         };
         let add: BTreeSet<Ipv4Addr> = desired.bind.difference(&linked).copied().collect();
-        link::update_addresses(LINK, &add, &BTreeSet::new())
+        self.links
+            .update_addresses(LINK, &add, &BTreeSet::new())
             .map_err(|e| cmd_err("ip -batch")(e.to_string()))?;
         objects += add.len();
 
         objects += self.sync_ipvs(&desired, &linked, full)?;
 
         let remove: BTreeSet<Ipv4Addr> = linked.difference(&desired.bind).copied().collect();
-        link::update_addresses(LINK, &BTreeSet::new(), &remove)
+        self.links
+            .update_addresses(LINK, &BTreeSet::new(), &remove)
             .map_err(|e| cmd_err("ip -batch")(e.to_string()))?;
         objects += remove.len();
 
@@ -375,7 +458,7 @@ impl IpvsBackend {
         full: bool,
     ) -> Result<usize, BackendError> {
         let node_ips = self.node_port_ips.clone();
-        let listed = self.ipvs()?.services()?;
+        let listed = self.ipvs.services().map_err(ipvs_err)?;
         let mut kernel: BTreeMap<VirtualAddr, crate::sys::ipvs::Service> = BTreeMap::new();
         for (key, svc) in listed {
             if let (ServiceKey::Addr(v), Some(svc)) = (key, svc)
@@ -402,7 +485,7 @@ impl IpvsBackend {
             if !full && unchanged && !draining {
                 continue;
             }
-            let dests = self.ipvs()?.destinations(key)?;
+            let dests = self.ipvs.destinations(key).map_err(ipvs_err)?;
             let want = |d: &Destination| match d.addr {
                 IpAddr::V4(a) => vs.reals.contains(&(a, d.port)),
                 IpAddr::V6(_) => false,
@@ -439,16 +522,15 @@ impl IpvsBackend {
         let mut ops = adds;
         ops.extend(dest_ops);
         ops.extend(deletes);
-        let refused = self.ipvs()?.apply(&ops)?;
+        let refused = self.ipvs.apply(&ops).map_err(ipvs_err)?;
         self.terminating = terminating;
-        if let Some((op, errno)) = refused.first() {
+        if let Some((_, error)) = refused.first() {
             return Err(BackendError::Kernel {
                 backend: BACKEND,
                 detail: format!(
-                    "{} of {} IPVS requests refused; first: {op}: {}",
+                    "{} of {} IPVS requests refused; first: {error}",
                     refused.len(),
                     ops.len(),
-                    std::io::Error::from_raw_os_error(-errno)
                 ),
             });
         }
@@ -456,22 +538,18 @@ impl IpvsBackend {
     }
 
     fn cleanup_ipvs(&mut self) -> Result<(), BackendError> {
-        let ipvs = match Ipvs::open() {
-            Ok(i) => i,
+        let listed = match self.ipvs.services() {
+            Ok(listed) => listed,
             // No IPVS in this kernel: nothing of ours can exist.
-            Err(IpvsError::Unavailable(_)) => return Ok(()),
-            Err(e) => return Err(e.into()),
+            Err(KernelError::Unsupported { .. }) => return Ok(()),
+            Err(e) => return Err(ipvs_err(e)),
         };
-        self.ipvs = Some(ipvs);
-        let linked = link::addresses(LINK).map_err(|e| cmd_err("ip addr")(e.to_string()))?;
-        let node_ips: Vec<Ipv4Addr> = link::all_addresses()
-            .map_err(|e| cmd_err("ip addr")(e.to_string()))?
-            .into_iter()
-            .filter(|(dev, a)| dev != LINK && !a.is_loopback())
-            .map(|(_, a)| a)
-            .collect();
+        let linked = self
+            .links
+            .addresses(LINK)
+            .map_err(|e| cmd_err("ip addr")(e.to_string()))?;
+        let node_ips = self.node_addresses()?;
         let empty = Desired::default();
-        let listed = self.ipvs()?.services()?;
         let ops: Vec<Op> = listed
             .into_iter()
             .filter_map(|(key, _)| match key {
@@ -481,12 +559,12 @@ impl IpvsBackend {
                 _ => None,
             })
             .collect();
-        let refused = self.ipvs()?.apply(&ops)?;
-        // ENOENT: somebody else removed it meanwhile.
-        if let Some((op, errno)) = refused.iter().find(|(_, e)| *e != -2) {
+        let refused = self.ipvs.apply(&ops).map_err(ipvs_err)?;
+        // Not found: somebody else removed it meanwhile (IPVS answers ESRCH).
+        if let Some((_, error)) = refused.iter().find(|(_, e)| !e.is_not_found()) {
             return Err(BackendError::Kernel {
                 backend: BACKEND,
-                detail: format!("{op}: {}", std::io::Error::from_raw_os_error(-errno)),
+                detail: error.to_string(),
             });
         }
         Ok(())
@@ -500,15 +578,24 @@ impl IpvsBackend {
             return Ok(drift);
         }
         // The link and its addresses.
-        if !link::exists(LINK).map_err(|e| cmd_err("ip link")(e.to_string()))? {
+        if !self
+            .links
+            .exists(LINK)
+            .map_err(|e| cmd_err("ip link")(e.to_string()))?
+        {
             drift.push(format!("link {LINK} is missing"));
         }
-        let linked = link::addresses(LINK).map_err(|e| cmd_err("ip addr")(e.to_string()))?;
+        let linked = self
+            .links
+            .addresses(LINK)
+            .map_err(|e| cmd_err("ip addr")(e.to_string()))?;
         diff_sets(&mut drift, &format!("address on {LINK}"), &self.bound, &linked);
 
         // ipsets, from one `ipset save`.
-        let kernel_sets =
-            ipset::save_all(ipset::SET_PREFIX).map_err(|e| cmd_err("ipset save")(e.to_string()))?;
+        let kernel_sets = self
+            .ipsets
+            .save_all(ipset::SET_PREFIX)
+            .map_err(|e| cmd_err("ipset save")(e.to_string()))?;
         for (name, spec) in &self.sets {
             match kernel_sets.get(name) {
                 None => drift.push(format!("ipset {name} is missing")),
@@ -567,11 +654,10 @@ impl IpvsBackend {
         drift: &mut Vec<String>,
         linked: &BTreeSet<std::net::Ipv4Addr>,
     ) -> Result<(), BackendError> {
-        let mut ipvs = Ipvs::open()?;
         let node_ips = self.node_port_ips.clone();
         let empty = Desired::default();
         let mut kernel = BTreeMap::new();
-        for (key, svc) in ipvs.services()? {
+        for (key, svc) in self.ipvs.services().map_err(ipvs_err)? {
             if let (ServiceKey::Addr(v), Some(svc)) = (key, svc)
                 && self.owns(&v, &empty, linked, &node_ips)
             {
@@ -599,8 +685,10 @@ impl IpvsBackend {
                     .filter(|(v, _, _)| v == key)
                     .map(|(_, ip, port)| (*ip, *port, 0)),
             );
-            let have: BTreeSet<(IpAddr, u16, u32)> = ipvs
-                .destinations(key)?
+            let have: BTreeSet<(IpAddr, u16, u32)> = self
+                .ipvs
+                .destinations(key)
+                .map_err(ipvs_err)?
                 .into_iter()
                 .map(|d| (d.addr, d.port, d.weight))
                 .collect();
@@ -614,7 +702,19 @@ impl IpvsBackend {
         Ok(())
     }
 
-    fn cleanup_iptables(&self) -> Result<(), BackendError> {
+    /// Destroys every `SWY-*` set (none when the `ipset` tool is not installed).
+    fn cleanup_ipsets(&mut self) -> Result<(), BackendError> {
+        let names: Vec<String> = match self.ipsets.save_all(ipset::SET_PREFIX) {
+            Ok(sets) => sets.into_keys().collect(),
+            Err(ipset::IpsetError::Spawn { .. }) => return Ok(()),
+            Err(e) => return Err(cmd_err("ipset list")(e.to_string())),
+        };
+        self.ipsets
+            .destroy(&names)
+            .map_err(|e| cmd_err("ipset destroy")(e.to_string()))
+    }
+
+    fn cleanup_iptables(&mut self) -> Result<(), BackendError> {
         for table in [Table::Filter, Table::Nat] {
             let save = match self.ipt.save(table) {
                 Ok(s) => s,
@@ -675,7 +775,7 @@ fn diff_sets<T: Ord + std::fmt::Debug>(
     }
 }
 
-impl Backend for IpvsBackend {
+impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> Backend for IpvsBackend<I, T, P, L, S> {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Ipvs
     }
@@ -689,7 +789,10 @@ impl Backend for IpvsBackend {
             }
             (Err(e), _) | (_, Err(e)) => return Err(ipt_err(e)),
         };
-        let linked = link::exists(LINK).map_err(|e| cmd_err("ip link")(e.to_string()))?;
+        let linked = self
+            .links
+            .exists(LINK)
+            .map_err(|e| cmd_err("ip link")(e.to_string()))?;
         let chains = [&filter, &nat]
             .iter()
             .any(|save| save.lines().any(|l| l.starts_with(":SWY-IPVS")));
@@ -734,29 +837,20 @@ impl Backend for IpvsBackend {
         self.terminating.clear();
         self.sets.clear();
         self.bound.clear();
-        let mut first_error = self.cleanup_ipvs().err();
-        if let Err(e) = link::delete(LINK) {
-            first_error.get_or_insert(cmd_err("ip link del")(e.to_string()));
+        // Independent parts, each tried whatever the others did; every failure is reported.
+        let mut errors: Vec<BackendError> = Vec::new();
+        errors.extend(self.cleanup_ipvs().err());
+        if let Err(e) = self.links.delete(LINK) {
+            errors.push(cmd_err("ip link del")(e.to_string()));
         }
-        if let Err(e) = self.cleanup_iptables() {
-            first_error.get_or_insert(e);
+        match self.cleanup_iptables() {
+            // Sets last: iptables rules referencing them block their destruction.
+            Ok(()) => errors.extend(self.cleanup_ipsets().err()),
+            // Our chains still reference the sets, which the kernel would refuse to destroy: they
+            // stay for the next cleanup, and this error says why.
+            Err(e) => errors.push(e),
         }
-        // Sets last: iptables rules referencing them block their destruction.
-        match ipset::list_names(ipset::SET_PREFIX) {
-            Ok(names) => {
-                if let Err(e) = ipset::destroy(&names) {
-                    first_error.get_or_insert(cmd_err("ipset destroy")(e.to_string()));
-                }
-            }
-            Err(ipset::IpsetError::Spawn { .. }) => {}
-            Err(e) => {
-                first_error.get_or_insert(cmd_err("ipset list")(e.to_string()));
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        BackendError::collect(errors)
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {

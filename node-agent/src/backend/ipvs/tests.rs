@@ -6,6 +6,10 @@
 //! - Kernel (`vm` module, ignored on the host): run by `scripts/ipvs-vm.sh` inside a Debian
 //!   kernel with `ip_vs`, with real TCP and UDP between network namespaces (client, director =
 //!   the VM's root namespace, real servers).
+//! - Conformance: the generic backend suite on fake adapters (`conformance_fake`, no root) and on
+//!   the VM's kernel (`vm::conformance`, a network namespace per case), the fake checked against
+//!   the kernel (same state after full and partial syncs, same typed IPVS refusals), and graceful
+//!   termination on the fake IPVS table.
 
 use std::net::Ipv4Addr;
 
@@ -480,6 +484,137 @@ mod vm {
 
     const IGNORE: &str = "needs the IPVS kernel: scripts/ipvs-vm.sh";
     const TIMEOUT: Duration = Duration::from_secs(3);
+
+    /// The conformance suite on the VM's kernel, each case in a throwaway network namespace (its
+    /// own IPVS table, ipsets, iptables, links and `net/` sysctls), plus the fake against it.
+    mod conformance {
+        use super::super::*;
+        use crate::backend::conformance::netns::TestNetns;
+        use crate::backend::vm_support::require_vm;
+        use crate::sys::ipset::KernelIpsets;
+        use crate::sys::ipvs::KernelIpvs;
+        use crate::sys::link::KernelLinks;
+        use crate::sys::sysctl::HostSysctl;
+
+        type KernelBackend = SuiteBackend<Iptables, KernelIpvs, KernelIpsets, KernelLinks, HostSysctl>;
+
+        /// Runs `args` (in the calling thread's network namespace); it must succeed.
+        fn run(args: &[&str]) -> String {
+            let out = std::process::Command::new(args[0])
+                .args(&args[1..])
+                .output()
+                .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert!(out.status.success(), "{args:?}: {out:?}");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+
+        /// The IPVS backend on the kernel, inside the subject's network namespace; `owned` reads
+        /// the kernel with its own tools (`ipvsadm -Ln`, `ip`, `ipset save`, `iptables-legacy-save`).
+        struct KernelSubject(KernelBackend);
+
+        impl Subject for KernelSubject {
+            type B = KernelBackend;
+            fn backend(&mut self) -> &mut Self::B {
+                &mut self.0
+            }
+            fn owned(&self) -> String {
+                let link = std::process::Command::new("ip")
+                    .args(["link", "show", "dev", LINK])
+                    .output()
+                    .expect("ip link")
+                    .status
+                    .success()
+                    .then(|| {
+                        let text = run(&["ip", "-o", "-4", "addr", "show", "dev", LINK]);
+                        crate::sys::link::parse_addresses(&text)
+                            .into_iter()
+                            .map(|(_, a)| a)
+                            .collect::<BTreeSet<Ipv4Addr>>()
+                    });
+                let sets = crate::sys::ipset::parse_save(&run(&["ipset", "save"]), "SWY-");
+                let filter = run(&["iptables-legacy-save", "-t", "filter"]);
+                let nat = run(&["iptables-legacy-save", "-t", "nat"]);
+                owned_text(
+                    &run(&["ipvsadm", "-Ln"]),
+                    link.as_ref(),
+                    &sets,
+                    [("filter", &filter), ("nat", &nat)],
+                )
+            }
+            fn fail_writes(&mut self, n: usize) {
+                fail_parts(&mut self.0, n);
+            }
+        }
+
+        struct KernelKit;
+
+        static NETNS_SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+        /// A fresh network namespace with the node's address on its own link, up.
+        fn node_netns() -> TestNetns {
+            require_vm();
+            let n = NETNS_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let ns = TestNetns::new(&format!("ipvs-suite{n}"));
+            ns.sh(&["ip", "link", "add", NODE_LINK, "type", "dummy"]);
+            ns.sh(&[
+                "ip",
+                "addr",
+                "add",
+                &format!("{}/24", fixtures_addr()),
+                "dev",
+                NODE_LINK,
+            ]);
+            ns.sh(&["ip", "link", "set", NODE_LINK, "up"]);
+            ns
+        }
+
+        impl Kit for KernelKit {
+            type S = KernelSubject;
+            fn with_subject<T: Send>(&self, f: impl FnOnce(&mut Self::S) -> T + Send) -> T {
+                let ns = node_netns();
+                ns.run(move || {
+                    f(&mut KernelSubject(IpvsBackend::with_adapters(
+                        crate::backend::conformance::fixtures::settings(),
+                        FaultyIptables::new(Iptables::new(Variant::Legacy, None)),
+                        FaultyIpvs::new(KernelIpvs::new()),
+                        FaultyIpsets::new(KernelIpsets),
+                        FaultyLinks::new(KernelLinks),
+                        HostSysctl::new(None),
+                    )))
+                })
+            }
+            fn cleanup_parts(&self) -> usize {
+                CLEANUP_PARTS
+            }
+        }
+
+        crate::backend::conformance::suite::conformance_suite!(
+            KernelKit,
+            ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"
+        );
+
+        /// The fake and the kernel end in the same state after the suite's full and partial syncs.
+        #[test]
+        #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+        fn fake_and_kernel_agree_after_full_and_partial_syncs() {
+            crate::backend::conformance::suite::kits_agree(&FakeKit, &KernelKit);
+            println!("VMTEST conformance: fake and kernel IPVS agree after full and partial syncs");
+        }
+
+        /// The kernel's IPVS table refuses as the fake does, with the same typed errors, and
+        /// lists the same state after the probe.
+        #[test]
+        #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+        fn ipvs_table_refuses_as_the_fake_does() {
+            let want: Vec<i32> = refusal_script().into_iter().map(|(_, errno)| errno).collect();
+            let (kernel, kernel_state) = node_netns().run(|| run_refusal_script(&mut KernelIpvs::new()));
+            let (fake, fake_state) = run_refusal_script(&mut FakeIpvs::new());
+            assert_eq!(kernel, want, "the kernel's refusals");
+            assert_eq!(fake, kernel);
+            assert_eq!(fake_state, kernel_state);
+            println!("VMTEST conformance: IPVS table refusals {kernel:?} equal the fake's");
+        }
+    }
 
     /// Builds the namespaces and starts the real servers once per process.
     fn topology() {
@@ -1366,4 +1501,489 @@ mod vm {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conformance: the generic suite on fake adapters (here, no root) and on the VM's kernel
+// (`vm::conformance`), and the fake IPVS table against the kernel's answers.
+
+use crate::backend::conformance::suite::{Kit, Subject};
+use crate::model::IpFamily;
+use crate::sys::KernelError;
+use crate::sys::ipset::{FakeIpsets, IpsetError, SetSpec};
+use crate::sys::iptables::fake::{FakeIptables, Faulty as FaultyIptables};
+use crate::sys::ipvs::fake::{FakeIpvs, Faulty as FaultyIpvs};
+use crate::sys::link::{FakeLinks, LinkError};
+use crate::sys::sysctl::FakeSysctl;
+
+/// Links with injected faults: the next `n` writes that change something fail.
+#[derive(Debug)]
+struct FaultyLinks<L> {
+    inner: L,
+    failing: usize,
+}
+
+impl<L: Links> FaultyLinks<L> {
+    fn new(inner: L) -> Self {
+        Self { inner, failing: 0 }
+    }
+
+    fn injected(&mut self, what: &str) -> Result<(), LinkError> {
+        if self.failing == 0 {
+            return Ok(());
+        }
+        self.failing -= 1;
+        Err(LinkError {
+            args: what.to_owned(),
+            detail: "injected fault".into(),
+        })
+    }
+}
+
+impl<L: Links> Links for FaultyLinks<L> {
+    fn exists(&self, name: &str) -> Result<bool, LinkError> {
+        self.inner.exists(name)
+    }
+
+    fn ensure_dummy(&mut self, name: &str) -> Result<bool, LinkError> {
+        self.injected("link add")?;
+        self.inner.ensure_dummy(name)
+    }
+
+    fn delete(&mut self, name: &str) -> Result<bool, LinkError> {
+        self.injected("link del")?;
+        self.inner.delete(name)
+    }
+
+    fn addresses(&self, name: &str) -> Result<BTreeSet<Ipv4Addr>, LinkError> {
+        self.inner.addresses(name)
+    }
+
+    fn all_addresses(&self) -> Result<Vec<(String, Ipv4Addr)>, LinkError> {
+        self.inner.all_addresses()
+    }
+
+    fn update_addresses(
+        &mut self,
+        name: &str,
+        add: &BTreeSet<Ipv4Addr>,
+        remove: &BTreeSet<Ipv4Addr>,
+    ) -> Result<(), LinkError> {
+        if !add.is_empty() || !remove.is_empty() {
+            self.injected("-batch")?;
+        }
+        self.inner.update_addresses(name, add, remove)
+    }
+}
+
+/// ipsets with injected faults: the next `n` writes that change something fail.
+#[derive(Debug)]
+struct FaultyIpsets<P> {
+    inner: P,
+    failing: usize,
+}
+
+impl<P: Ipsets> FaultyIpsets<P> {
+    fn new(inner: P) -> Self {
+        Self { inner, failing: 0 }
+    }
+
+    fn injected(&mut self) -> Result<(), IpsetError> {
+        if self.failing == 0 {
+            return Ok(());
+        }
+        self.failing -= 1;
+        Err(IpsetError::Failed {
+            args: "restore".into(),
+            stderr: "injected fault".into(),
+        })
+    }
+}
+
+impl<P: Ipsets> Ipsets for FaultyIpsets<P> {
+    fn restore(&mut self, sets: &[&SetSpec]) -> Result<(), IpsetError> {
+        if !sets.is_empty() {
+            self.injected()?;
+        }
+        self.inner.restore(sets)
+    }
+
+    fn save_all(&self, prefix: &str) -> Result<BTreeMap<String, BTreeSet<String>>, IpsetError> {
+        self.inner.save_all(prefix)
+    }
+
+    fn destroy(&mut self, names: &[String]) -> Result<(), IpsetError> {
+        if !names.is_empty() {
+            self.injected()?;
+        }
+        self.inner.destroy(names)
+    }
+}
+
+/// The IPVS backend on adapters of one kind (fake or kernel), each with injected faults.
+type SuiteBackend<I, T, P, L, S> =
+    IpvsBackend<FaultyIptables<I>, FaultyIpvs<T>, FaultyIpsets<P>, FaultyLinks<L>, S>;
+
+/// The independent parts of the IPVS cleanup, in its order: the virtual servers, the link, the
+/// iptables chains (the ipsets go after them: the chains' references keep them while the chains
+/// stay, so they are no part of their own when every part fails).
+const CLEANUP_PARTS: usize = 3;
+
+/// Writes the iptables part of the cleanup makes before it gives up: a refused restore is
+/// retried jump rule by jump rule.
+const IPTABLES_CLEANUP_WRITES: usize = 2;
+
+/// Makes the next `n` parts of the backend's work fail, in the cleanup's order (see
+/// [`CLEANUP_PARTS`]); one failure (`n == 1`) is the IPVS batch's.
+fn fail_parts<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl>(
+    b: &mut SuiteBackend<I, T, P, L, S>,
+    n: usize,
+) {
+    assert!(
+        n <= CLEANUP_PARTS,
+        "the IPVS backend has {CLEANUP_PARTS} cleanup parts"
+    );
+    if n >= 1 {
+        b.ipvs_table_mut().fail_next(1);
+    }
+    if n >= 2 {
+        b.links_mut().failing = 1;
+    }
+    if n >= 3 {
+        b.iptables_mut().fail_next(IPTABLES_CLEANUP_WRITES);
+    }
+}
+
+/// The node's own address (the fixture's), on a link of its own, where NodePorts go.
+const NODE_LINK: &str = "node0";
+
+/// What the backend owns, normalised alike for the fake and the kernel: the IPVS listing
+/// (`ipvsadm -Ln` text, canonical order, counters zeroed, without its header), the link and its
+/// addresses, the `SWY-*` ipsets with their entries, and per iptables table our chains with
+/// their rule counts and the jump rules into them.
+fn owned_text(
+    ipvsadm: &str,
+    link: Option<&BTreeSet<Ipv4Addr>>,
+    sets: &BTreeMap<String, BTreeSet<String>>,
+    saves: [(&str, &str); 2],
+) -> String {
+    let mut out = String::new();
+    for line in normalize_ipvsadm(ipvsadm, |_| true).lines().skip(3) {
+        out.push_str(&format!("ipvs {line}\n"));
+    }
+    if let Some(addresses) = link {
+        out.push_str(&format!("link {LINK}\n"));
+        for a in addresses {
+            out.push_str(&format!("link {LINK} {a}\n"));
+        }
+    }
+    for (name, entries) in sets {
+        out.push_str(&format!("ipset {name}\n"));
+        for e in entries {
+            out.push_str(&format!("ipset {name} {e}\n"));
+        }
+    }
+    for (table, save) in saves {
+        let mut chains: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut jumps: Vec<String> = Vec::new();
+        for line in save.lines() {
+            let mut words = line.split_whitespace();
+            match words.next() {
+                Some(decl) if decl.starts_with(":SWY-") => {
+                    chains.entry(&decl[1..]).or_insert(0);
+                }
+                Some("-A") => {
+                    let chain = words.next().unwrap_or_default();
+                    let target = words.skip_while(|w| *w != "-j").nth(1).unwrap_or_default();
+                    if chain.starts_with("SWY-") {
+                        *chains.entry(chain).or_insert(0) += 1;
+                    } else if target.starts_with("SWY-") {
+                        jumps.push(format!("iptables {table} jump {chain} -> {target}"));
+                    }
+                }
+                _ => {}
+            }
+        }
+        jumps.sort();
+        for (chain, rules) in chains {
+            out.push_str(&format!("iptables {table} chain {chain} {rules} rules\n"));
+        }
+        for j in jumps {
+            out.push_str(&j);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The fake table as `ipvsadm -Ln` lists it.
+fn fake_listing(table: &FakeIpvs) -> String {
+    let mut out = String::from(render::IPVSADM_HEADER);
+    for (svc, dests) in table.table() {
+        out.push_str(&render::service_line(svc));
+        out.push('\n');
+        for d in dests {
+            let addr = std::net::SocketAddr::new(d.addr, d.port).to_string();
+            out.push_str(&render::dest_line(&addr, "Masq", d.weight));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+type FakeBackend = SuiteBackend<FakeIptables, FakeIpvs, FakeIpsets, FakeLinks, FakeSysctl>;
+
+/// The IPVS backend on fakes, with the node's address on [`NODE_LINK`].
+fn fake_backend(settings: Settings) -> FakeBackend {
+    let mut links = FakeLinks::new();
+    let node = fixtures_addr();
+    links.ensure_dummy(NODE_LINK).expect("node link");
+    links
+        .update_addresses(NODE_LINK, &[node].into(), &BTreeSet::new())
+        .expect("node address");
+    IpvsBackend::with_adapters(
+        settings,
+        FaultyIptables::new(FakeIptables::new(IpFamily::V4)),
+        FaultyIpvs::new(FakeIpvs::new()),
+        FaultyIpsets::new(FakeIpsets::new()),
+        FaultyLinks::new(links),
+        FakeSysctl::new(),
+    )
+}
+
+/// The conformance fixture's IPv4 node address.
+fn fixtures_addr() -> Ipv4Addr {
+    match crate::backend::conformance::fixtures::addr(IpFamily::V4, [10, 250, 0, 11]) {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(_) => unreachable!("an IPv4 fixture address"),
+    }
+}
+
+/// The IPVS backend on fakes.
+struct FakeSubject(FakeBackend);
+
+impl Subject for FakeSubject {
+    type B = FakeBackend;
+    fn backend(&mut self) -> &mut Self::B {
+        &mut self.0
+    }
+    fn owned(&self) -> String {
+        let b = &self.0;
+        let links = &b.links().inner;
+        let link = links
+            .exists(LINK)
+            .expect("links")
+            .then(|| links.addresses(LINK).expect("addresses"));
+        let sets = b.ipsets().inner.save_all("SWY-").expect("ipsets");
+        let ipt = b.iptables().inner();
+        let (filter, nat) = (
+            ipt.save(Table::Filter).expect("save"),
+            ipt.save(Table::Nat).expect("save"),
+        );
+        owned_text(
+            &fake_listing(b.ipvs_table().inner()),
+            link.as_ref(),
+            &sets,
+            [("filter", &filter), ("nat", &nat)],
+        )
+    }
+    fn fail_writes(&mut self, n: usize) {
+        fail_parts(&mut self.0, n);
+    }
+}
+
+struct FakeKit;
+
+impl Kit for FakeKit {
+    type S = FakeSubject;
+    fn with_subject<T: Send>(&self, f: impl FnOnce(&mut Self::S) -> T + Send) -> T {
+        f(&mut FakeSubject(fake_backend(
+            crate::backend::conformance::fixtures::settings(),
+        )))
+    }
+    fn cleanup_parts(&self) -> usize {
+        CLEANUP_PARTS
+    }
+}
+
+/// The conformance suite on fake adapters (no root).
+mod conformance_fake {
+    crate::backend::conformance::suite::conformance_suite!(super::FakeKit);
+}
+
+/// One probe of how an IPVS table refuses requests: each op alone, in order, with the errno of
+/// its typed refusal (0: applied). The same script runs on the kernel in the VM
+/// (`vm::conformance::ipvs_table_refuses_as_the_fake_does`).
+fn refusal_script() -> Vec<(Op, i32)> {
+    use crate::sys::error::{EEXIST, ENOENT};
+    let vaddr = |port: u16| VirtualAddr {
+        protocol: crate::sys::ipvs::Protocol::Tcp,
+        addr: IpAddr::V4(ip("10.96.7.1")),
+        port,
+    };
+    let svc = |port: u16, scheduler: &str| crate::sys::ipvs::Service {
+        addr: vaddr(port),
+        scheduler: scheduler.into(),
+        flags: 0,
+        timeout: 0,
+    };
+    let (a, b) = (vaddr(80), vaddr(81));
+    let real =
+        |last: u8, weight: u32| Destination::masq(IpAddr::V4(Ipv4Addr::new(10, 244, 7, last)), 8080, weight);
+    let sticky = crate::sys::ipvs::Service {
+        flags: crate::sys::ipvs::FLAG_PERSISTENT,
+        timeout: 300,
+        ..svc(80, "wrr")
+    };
+    vec![
+        (Op::AddService(svc(80, "rr")), 0),
+        (Op::AddService(svc(80, "rr")), EEXIST),
+        (Op::AddService(svc(81, "nope")), ENOENT),
+        (Op::UpdateService(svc(81, "rr")), ENOENT),
+        (Op::DeleteService(b), ENOENT),
+        (Op::AddDest(b, real(1, 1)), ENOENT),
+        (Op::AddDest(a, real(1, 1)), 0),
+        (Op::AddDest(a, real(1, 1)), EEXIST),
+        (Op::UpdateDest(a, real(2, 1)), ENOENT),
+        (Op::DeleteDest(a, real(2, 1).addr, 8080), ENOENT),
+        (Op::UpdateDest(a, real(1, 0)), 0),
+        (Op::AddDest(a, real(3, 1)), 0),
+        (Op::DeleteDest(a, real(3, 1).addr, 8080), 0),
+        (Op::UpdateService(svc(80, "nope")), ENOENT),
+        (Op::UpdateService(sticky), 0),
+    ]
+}
+
+/// Runs [`refusal_script`] on `table`: the errno of each op (0: applied), then the table's
+/// services and the real servers of the probed services (the missing one has none), and finally
+/// deletes what it made.
+fn run_refusal_script(table: &mut impl IpvsTable) -> (Vec<i32>, String) {
+    let errnos = refusal_script()
+        .into_iter()
+        .map(|(op, _)| match table.apply(&[op]).expect("apply").pop() {
+            Some((_, e)) => e.errno().unwrap_or(-1),
+            None => 0,
+        })
+        .collect();
+    let mut state = String::new();
+    for (key, svc) in table.services().expect("services") {
+        state.push_str(&format!("{key:?} {svc:?}\n"));
+        if let ServiceKey::Addr(v) = key {
+            for d in table.destinations(&v).expect("destinations") {
+                state.push_str(&format!("  {d:?}\n"));
+            }
+        }
+    }
+    let missing = VirtualAddr {
+        protocol: crate::sys::ipvs::Protocol::Tcp,
+        addr: IpAddr::V4(ip("10.96.7.1")),
+        port: 81,
+    };
+    assert_eq!(table.destinations(&missing).expect("dump").len(), 0);
+    let first = refusal_script().remove(0).0;
+    if let Op::AddService(s) = first {
+        assert!(
+            table
+                .apply(&[Op::DeleteService(s.addr)])
+                .expect("apply")
+                .is_empty()
+        );
+    }
+    (errnos, state)
+}
+
+#[test]
+fn fake_ipvs_refuses_as_the_kernel_does() {
+    let want: Vec<i32> = refusal_script().into_iter().map(|(_, errno)| errno).collect();
+    let (got, state) = run_refusal_script(&mut FakeIpvs::new());
+    assert_eq!(got, want);
+    assert!(
+        state.contains("scheduler: \"wrr\", flags: 1, timeout: 300")
+            && state.contains("weight: 0")
+            && state.lines().count() == 2,
+        "{state}"
+    );
+    // Typed: a missing service (the kernel's ESRCH) is "not found" as a missing destination is.
+    assert!(crate::sys::ipvs::refusal("DEL_SERVICE", -3).is_not_found());
+    assert!(matches!(
+        crate::sys::ipvs::refusal("NEW_SERVICE", -17),
+        KernelError::Exists { .. }
+    ));
+}
+
+/// Graceful termination on the fakes: a TCP real server that leaves with open connections stays
+/// at weight 0 until they end; a UDP one goes at once.
+#[test]
+fn fake_ipvs_graceful_termination_waits_for_active_connections() {
+    let mut b = fake_backend(settings());
+    let mut snap = Snapshot::default();
+    let tcp = port("web", Protocol::Tcp, "10.96.0.40", 80);
+    let udp = port("dns", Protocol::Udp, "10.96.0.41", 53);
+    add(
+        &mut snap,
+        tcp.clone(),
+        vec![ep("10.244.1.40", 8080, REMOTE), ep("10.244.2.40", 8080, REMOTE)],
+    );
+    add(
+        &mut snap,
+        udp.clone(),
+        vec![ep("10.244.1.41", 53, REMOTE), ep("10.244.2.41", 53, REMOTE)],
+    );
+    let sync = |b: &mut FakeBackend, s: &Snapshot, full: bool| {
+        b.sync(&DualSnapshot::from(s.clone()), &Changes::default(), full)
+            .expect("sync")
+    };
+    sync(&mut b, &snap, true);
+    let web = VirtualAddr {
+        protocol: crate::sys::ipvs::Protocol::Tcp,
+        addr: IpAddr::V4(ip("10.96.0.40")),
+        port: 80,
+    };
+    let dns = VirtualAddr {
+        protocol: crate::sys::ipvs::Protocol::Udp,
+        addr: IpAddr::V4(ip("10.96.0.41")),
+        port: 53,
+    };
+    let (gone_tcp, gone_udp) = (IpAddr::V4(ip("10.244.2.40")), IpAddr::V4(ip("10.244.2.41")));
+    let table = b.ipvs_table_mut().inner_mut();
+    assert!(table.set_connections(&web, gone_tcp, 8080, 3, 1));
+    assert!(table.set_connections(&dns, gone_udp, 53, 5, 0));
+    for (name, eps) in snap.endpoints.iter_mut() {
+        if *name == tcp.name || *name == udp.name {
+            eps.pop();
+        }
+    }
+    sync(&mut b, &snap, false);
+    let weights = |b: &FakeBackend, v: &VirtualAddr| -> Vec<(IpAddr, u32)> {
+        b.ipvs_table()
+            .destinations(v)
+            .expect("dump")
+            .into_iter()
+            .map(|d| (d.addr, d.weight))
+            .collect()
+    };
+    assert_eq!(
+        weights(&b, &web),
+        [(IpAddr::V4(ip("10.244.1.40")), 1), (gone_tcp, 0)]
+    );
+    assert_eq!(
+        weights(&b, &dns),
+        [(IpAddr::V4(ip("10.244.1.41")), 1)],
+        "UDP goes at once"
+    );
+    assert_eq!(
+        b.terminating().iter().collect::<Vec<_>>(),
+        [&(web, gone_tcp, 8080)]
+    );
+    assert_eq!(b.verify().expect("verify"), Vec::<String>::new());
+    // Still open at the next sync: kept; closed: deleted at the sync after.
+    sync(&mut b, &snap, false);
+    assert_eq!(weights(&b, &web).len(), 2);
+    b.ipvs_table_mut()
+        .inner_mut()
+        .set_connections(&web, gone_tcp, 8080, 0, 4);
+    sync(&mut b, &snap, false);
+    assert_eq!(weights(&b, &web), [(IpAddr::V4(ip("10.244.1.40")), 1)]);
+    assert!(b.terminating().is_empty());
+    assert_eq!(b.verify().expect("verify"), Vec::<String>::new());
 }

@@ -13,9 +13,20 @@
 //!
 //! Writes are batched: many requests with `NLM_F_ACK` go out in one datagram and the kernel's
 //! per-message acks are matched by sequence number ([`Ipvs::apply`]).
+//!
+//! The IPVS backend reaches the table through the [`IpvsTable`] adapter: [`KernelIpvs`] (this
+//! client, opened on first use in the calling thread's network namespace) or the in-memory
+//! [`fake::FakeIpvs`], with faults injected by [`fake::Faulty`]. Its errors are typed
+//! ([`KernelError`]); IPVS's own errnos are mapped as ipvsadm reads them (`ESRCH`: no such
+//! service, `ENOENT`: no such destination or scheduler, `EEXIST`: exists already).
+
+pub mod fake;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::error::{KernelError, KernelResult};
 use super::netlink::{MessageBuilder, NLM_F_ACK, NLM_F_REQUEST, Reply, Transport};
 
 /// `NETLINK_GENERIC`.
@@ -552,7 +563,7 @@ const BATCH: usize = 256;
 pub struct Ipvs {
     transport: Transport,
     family: u16,
-    seq: u32,
+    seq: AtomicU32,
 }
 
 impl Ipvs {
@@ -564,7 +575,7 @@ impl Ipvs {
         Ok(Self {
             transport,
             family,
-            seq: 1,
+            seq: AtomicU32::new(1),
         })
     }
 
@@ -573,12 +584,13 @@ impl Ipvs {
         self.family
     }
 
-    fn next_seq(&mut self) -> u32 {
-        self.seq = self.seq.wrapping_add(1).max(1);
-        self.seq
+    fn next_seq(&self) -> u32 {
+        // Never 0 (the kernel's notifications carry 0).
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        if seq == 0 { self.next_seq() } else { seq }
     }
 
-    fn dump(&mut self, request: &[u8], what: &str) -> Result<Vec<Reply>, IpvsError> {
+    fn dump(&self, request: &[u8], what: &str) -> Result<Vec<Reply>, IpvsError> {
         let replies = self.transport.dump(request)?;
         if let Some(errno) = replies.iter().find_map(|r| r.error.filter(|e| *e != 0)) {
             return Err(IpvsError::Kernel {
@@ -590,14 +602,14 @@ impl Ipvs {
     }
 
     /// Every virtual service in the kernel (ours and everybody else's).
-    pub fn services(&mut self) -> Result<Vec<(ServiceKey, Option<Service>)>, IpvsError> {
+    pub fn services(&self) -> Result<Vec<(ServiceKey, Option<Service>)>, IpvsError> {
         let seq = self.next_seq();
         let replies = self.dump(&encode_get_services(self.family, seq), "GET_SERVICE")?;
         Ok(parse_service_replies(&replies, self.family))
     }
 
     /// The real servers of `addr`.
-    pub fn destinations(&mut self, addr: &VirtualAddr) -> Result<Vec<Destination>, IpvsError> {
+    pub fn destinations(&self, addr: &VirtualAddr) -> Result<Vec<Destination>, IpvsError> {
         let seq = self.next_seq();
         let replies = self.dump(
             &encode_get_dests(self.family, seq, addr),
@@ -608,7 +620,7 @@ impl Ipvs {
 
     /// Sends `ops` in batches and waits for every ack. Returns the ops the kernel refused with
     /// their errno (the others were applied); `Err` only when the socket fails.
-    pub fn apply(&mut self, ops: &[Op]) -> Result<Vec<(Op, i32)>, IpvsError> {
+    pub fn apply(&self, ops: &[Op]) -> Result<Vec<(Op, i32)>, IpvsError> {
         let mut refused = Vec::new();
         for chunk in ops.chunks(BATCH) {
             let mut buf = Vec::with_capacity(chunk.len() * 128);
@@ -631,7 +643,7 @@ impl Ipvs {
     }
 
     /// Applies one op; a refusal is an error.
-    pub fn apply_one(&mut self, op: Op) -> Result<(), IpvsError> {
+    pub fn apply_one(&self, op: Op) -> Result<(), IpvsError> {
         match self.apply(std::slice::from_ref(&op))?.into_iter().next() {
             Some((op, errno)) => Err(IpvsError::Kernel {
                 op: op.to_string(),
@@ -642,13 +654,116 @@ impl Ipvs {
     }
 }
 
-/// Writes an IPVS-related sysctl (`net/ipv4/vs/conntrack`, ...) under `/proc/sys`.
-pub fn set_sysctl(path: &str, value: &str) -> std::io::Result<()> {
-    let file = std::path::Path::new("/proc/sys").join(path);
-    if std::fs::read_to_string(&file).is_ok_and(|v| v.trim() == value) {
-        return Ok(());
+/// `ESRCH`: what IPVS answers for a service that does not exist.
+const ESRCH: i32 = 3;
+
+/// The typed error of IPVS request `op` refused with `errno` (either sign): IPVS says `ESRCH`
+/// for a missing service, which is "not found" as much as `ENOENT` (a missing destination or
+/// scheduler) is.
+pub fn refusal(op: impl Into<String>, errno: i32) -> KernelError {
+    match errno.abs() {
+        ESRCH => KernelError::NotFound { what: op.into() },
+        errno => KernelError::from_errno(op, errno),
     }
-    std::fs::write(file, value)
+}
+
+impl From<IpvsError> for KernelError {
+    fn from(e: IpvsError) -> Self {
+        match e {
+            IpvsError::Unavailable(why) => KernelError::Unsupported {
+                what: format!("IPVS ({why})"),
+            },
+            IpvsError::Transport(e) => KernelError::Transport(e),
+            IpvsError::Kernel { op, errno } => refusal(op, errno),
+        }
+    }
+}
+
+/// The IPVS table as the IPVS backend uses it: dumps of the virtual services and of one
+/// service's real servers, and batches of writes. Reads take `&self` (verification reads only).
+pub trait IpvsTable: std::fmt::Debug + Send {
+    /// Every virtual service in the table (ours and everybody else's). No IPVS in this kernel:
+    /// [`KernelError::Unsupported`].
+    fn services(&self) -> KernelResult<Vec<(ServiceKey, Option<Service>)>>;
+    /// The real servers of `service` (none when it does not exist, as the kernel's dump).
+    fn destinations(&self, service: &VirtualAddr) -> KernelResult<Vec<Destination>>;
+    /// Applies `ops` in order; returns the ops refused with their errors (the others were
+    /// applied). `Err` when nothing could be sent.
+    fn apply(&mut self, ops: &[Op]) -> KernelResult<Vec<(Op, KernelError)>>;
+}
+
+impl IpvsTable for Ipvs {
+    fn services(&self) -> KernelResult<Vec<(ServiceKey, Option<Service>)>> {
+        Ok(Ipvs::services(self)?)
+    }
+
+    fn destinations(&self, service: &VirtualAddr) -> KernelResult<Vec<Destination>> {
+        Ok(Ipvs::destinations(self, service)?)
+    }
+
+    fn apply(&mut self, ops: &[Op]) -> KernelResult<Vec<(Op, KernelError)>> {
+        Ok(Ipvs::apply(self, ops)?
+            .into_iter()
+            .map(|(op, errno)| {
+                let what = op.to_string();
+                (op, refusal(what, errno))
+            })
+            .collect())
+    }
+}
+
+/// The kernel's IPVS table: an [`Ipvs`] socket opened on first use (in the network namespace of
+/// the thread that first uses it) and kept; opening is retried while it fails (no IPVS yet).
+#[derive(Debug, Default)]
+pub struct KernelIpvs {
+    socket: std::sync::Mutex<Option<Ipvs>>,
+}
+
+impl KernelIpvs {
+    /// Not opened yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&Ipvs) -> Result<R, IpvsError>) -> KernelResult<R> {
+        let mut socket = self
+            .socket
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if socket.is_none() {
+            *socket = Some(Ipvs::open()?);
+        }
+        match socket.as_ref() {
+            Some(ipvs) => Ok(f(ipvs)?),
+            None => Err(KernelError::Unsupported {
+                what: "IPVS socket".into(),
+            }),
+        }
+    }
+}
+
+impl IpvsTable for KernelIpvs {
+    fn services(&self) -> KernelResult<Vec<(ServiceKey, Option<Service>)>> {
+        self.with(Ipvs::services)
+    }
+
+    fn destinations(&self, service: &VirtualAddr) -> KernelResult<Vec<Destination>> {
+        self.with(|ipvs| ipvs.destinations(service))
+    }
+
+    fn apply(&mut self, ops: &[Op]) -> KernelResult<Vec<(Op, KernelError)>> {
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        let refused = self.with(|ipvs| ipvs.apply(ops))?;
+        Ok(refused
+            .into_iter()
+            .map(|(op, errno)| {
+                let what = op.to_string();
+                (op, refusal(what, errno))
+            })
+            .collect())
+    }
 }
 
 #[cfg(test)]
