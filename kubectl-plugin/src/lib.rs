@@ -89,6 +89,9 @@ pub struct NodeRow {
     pub target: Option<String>,
     /// Why it is incompatible or failed.
     pub reason: Option<String>,
+    /// The policy generation whose `spec.proxy` it runs (none while it switches, or not this
+    /// policy's): settings changes roll out in waves, so nodes waiting for theirs show an older one.
+    pub settings_generation: Option<i64>,
 }
 
 /// One wave of a plan.
@@ -242,6 +245,7 @@ fn report(
             active: active(&n.name),
             target: n.target.map(|m| m.to_string()),
             reason: n.reason.clone(),
+            settings_generation: n.settings_generation,
         })
         .collect();
     let condition = |t: &str| pp.status.conditions.iter().find(|c| c.type_ == t);
@@ -359,12 +363,15 @@ pub fn render_plan(r: &PlanReport) -> String {
                 n.state.clone(),
                 dash(n.active.as_deref()),
                 dash(n.target.as_deref()),
+                n.settings_generation
+                    .map(|g| format!("g{g}"))
+                    .unwrap_or_else(|| "-".into()),
                 dash(n.reason.as_deref()),
             ]
         })
         .collect();
     out.push_str(&table(
-        &["NODE", "WAVE", "STATE", "ACTIVE", "TARGET", "REASON"],
+        &["NODE", "WAVE", "STATE", "ACTIVE", "TARGET", "SETTINGS", "REASON"],
         &nodes,
     ));
     out
@@ -395,12 +402,13 @@ pub fn render_status(p: &ProxyPolicy) -> String {
     }
     let _ = writeln!(
         out,
-        "nodes: {} governed, {} updated, {} healthy, {} failed, {} incompatible; current wave: {}\n",
+        "nodes: {} governed, {} updated, {} healthy, {} failed, {} incompatible, {} on this generation's settings; current wave: {}\n",
         s.target_nodes,
         s.updated_nodes,
         s.healthy_nodes,
         s.failed_nodes,
         s.incompatible_nodes,
+        s.settings_updated_nodes,
         dash(s.current_wave.as_deref())
     );
     out.push_str(&render_waves(s));
@@ -616,6 +624,50 @@ spec:
         let mut p = policies.into_iter().next().unwrap();
         p.status = Some(ProxyPolicyStatus::default());
         assert!(render_status(&p).contains("another service proxy"));
+    }
+
+    /// A settings change planned against the live policy: the waiting nodes show the generation
+    /// whose settings they still run, the admitted one none (it switches).
+    #[test]
+    fn a_settings_change_shows_which_nodes_run_which_settings() {
+        let text = POLICY.replace("requireApproval: true, soakSeconds: 60", "soakSeconds: 60");
+        let mut live = policies_from_yaml("x.yaml", &text).unwrap().remove(0);
+        live.metadata.uid = Some("uid-p".into());
+        live.metadata.generation = Some(4);
+        let mut edited = live.clone();
+        edited.spec.proxy = Some(serde_json::from_value(json!({"masqueradeAll": true})).unwrap());
+        let nodes: Vec<Node> = ["n1", "n2", "n3"].into_iter().map(node).collect();
+        let proxies: Vec<NodeProxy> = ["n1", "n2", "n3"]
+            .into_iter()
+            .map(|n| {
+                serde_json::from_value(json!({
+                    "metadata": {"name": n},
+                    "spec": {"desiredMode": "nftables", "rolloutToken": "p-g4-nftables",
+                             "policy": {"name": "p", "uid": "uid-p", "generation": 4}},
+                    "status": {"activeMode": "nftables", "phase": "Active",
+                               "lastSwitch": {"from": "iptables", "to": "nftables", "result": "Succeeded", "rolloutToken": "p-g4-nftables"}},
+                }))
+                .unwrap()
+            })
+            .collect();
+        let now: Timestamp = "2025-01-06T12:00:00Z".parse().unwrap();
+        let r = plan_for(&edited, &[live], &nodes, &proxies, now).unwrap();
+        assert_eq!(r.generation, 5);
+        let settings: Vec<Option<i64>> = r.nodes.iter().map(|n| n.settings_generation).collect();
+        assert_eq!(
+            settings.iter().filter(|g| g.is_none()).count(),
+            1,
+            "{:?}",
+            r.nodes
+        );
+        assert_eq!(
+            settings.iter().filter(|g| **g == Some(4)).count(),
+            2,
+            "{:?}",
+            r.nodes
+        );
+        let plan = render_plan(&r);
+        assert!(plan.contains("SETTINGS") && plan.contains("g4"), "{plan}");
     }
 
     #[test]

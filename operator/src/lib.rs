@@ -6,12 +6,19 @@
 //! - **The operator writes spec** with server-side apply (field manager `switchyard-operator`,
 //!   forced) and never status: `desiredMode`, `proxy`, `healthGate`, `policy{name,uid,generation}`
 //!   and `rolloutToken`, plus the label `switchyard.dev/policy`. It creates the NodeProxy when missing
-//!   (owner reference: the Node). A node the rollout has not reached gets only `policy` (no
-//!   `desiredMode`: the agent keeps the mode it runs); incompatible nodes likewise.
+//!   (owner reference: the Node). A node the rollout has not reached gets only `policy` and keeps
+//!   the `proxy` it runs (no `desiredMode`: the agent keeps the mode it runs); incompatible nodes
+//!   likewise. A node that runs the mode with other settings than the policy's keeps its whole spec
+//!   until its wave admits it.
 //! - **`rolloutToken`** is opaque to the agent and changes whenever the operator asks for a new switch
-//!   attempt: `<policy>-g<generation>-<mode>` for a switch, `<policy>-g<generation>-rollback-<mode>`
-//!   for a policy rollback. A released node keeps its token across generations while it is healthy or
-//!   switching; a node whose attempt failed gets a new token only with a new policy generation.
+//!   attempt: `<policy>-g<generation>-<mode>` for a switch (with the policy's `proxy`: mode and
+//!   settings in one switch), `<policy>-g<generation>-settings-<mode>` for a settings switch of a
+//!   node that runs the mode (the agent takes the settings behind the health gate and answers in
+//!   `lastSwitch`, putting the previous ones back when the gate fails),
+//!   `<policy>-g<generation>-rollback-<mode>` for a policy rollback. A released node keeps its
+//!   token across generations while it is healthy or switching (a generation that does not change
+//!   `proxy` re-rolls nothing); a node whose attempt failed gets a new token only with a new policy
+//!   generation.
 //! - **The agent writes status**: `activeMode`, `phase` (Active/Preparing/CutOver/Verifying/Cleaning/
 //!   RollingBack/Failed), `lastSwitch{from,to,result: Succeeded|RolledBack|Failed,reason,rolloutToken}`,
 //!   the `Healthy` condition, and `capabilities.supportedModes`.

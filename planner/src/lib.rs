@@ -251,6 +251,9 @@ pub struct NodePlan {
     pub target: Option<ProxyMode>,
     /// Why it failed or is incompatible, for people.
     pub reason: Option<String>,
+    /// The policy generation whose `spec.proxy` the node runs (`None`: not this policy's, or
+    /// still being switched to).
+    pub settings_generation: Option<i64>,
 }
 
 /// A NodeProxy spec the operator must apply (server-side apply, field manager

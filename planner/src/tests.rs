@@ -142,8 +142,10 @@ impl Sim {
                 continue;
             };
             let Some(st) = np.status.as_mut() else { continue };
+            // A settings switch leaves the mode as it is and is answered like a mode switch.
+            let settings = token.contains("-settings-");
             if st.last_switch.as_ref().and_then(|l| l.rollout_token.as_ref()) == Some(&token)
-                || st.active_mode == Some(desired)
+                || (st.active_mode == Some(desired) && !settings)
             {
                 continue;
             }
@@ -1140,4 +1142,259 @@ fn external_rolls_out_in_waves_like_any_mode_and_back() {
     }
     assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Ready));
     assert!(sim.nodes.iter().all(|n| sim.active(&n.name) == Some(NFT)));
+}
+
+/// A policy `p` over the pool running nftables in two waves of 2 (the first soaks 60 s), with
+/// `spec.proxy` = `proxy`.
+fn settings_policy(proxy: serde_json::Value, rollout: serde_json::Value) -> PolicyInput {
+    let mut spec = json!({
+        "nodeSelector": {"matchLabels": {"pool": "a"}},
+        "mode": "nftables",
+        "rollout": {"waves": [{"name": "first", "nodes": 2, "soakSeconds": 60}, {"name": "rest", "nodes": "100%"}]},
+        "proxy": proxy,
+    });
+    for (k, v) in rollout.as_object().unwrap() {
+        spec["rollout"][k] = v.clone();
+    }
+    policy("p", spec)
+}
+
+/// The policy's next generation with `edit` applied to its spec (as JSON).
+fn next_generation(sim: &mut Sim, edit: impl FnOnce(&mut serde_json::Value)) {
+    let p = &mut sim.policies[0];
+    let mut spec = serde_json::to_value(&p.spec).unwrap();
+    edit(&mut spec);
+    p.spec = serde_json::from_value(spec).unwrap();
+    p.generation += 1;
+}
+
+/// Steps and answers, a minute apart (soaks end), until nothing changes any more (bounded).
+fn run(sim: &mut Sim) {
+    for _ in 0..10 {
+        sim.step();
+        sim.agents();
+        sim.now += SignedDuration::from_secs(61);
+    }
+    sim.step();
+}
+
+fn masquerade_all(sim: &Sim, node: &str) -> Option<bool> {
+    sim.proxies[node]
+        .spec
+        .proxy
+        .as_ref()
+        .and_then(|p| p.masquerade_all)
+}
+
+fn settings_generations(sim: &Sim) -> Vec<Option<i64>> {
+    sim.pp("p").nodes.iter().map(|n| n.settings_generation).collect()
+}
+
+#[test]
+fn a_settings_change_rolls_out_in_waves_and_a_pause_keeps_the_old_settings() {
+    let mut sim = Sim::new(
+        vec![settings_policy(json!({"masqueradeAll": false}), json!({}))],
+        4,
+        NFT,
+    );
+    run(&mut sim);
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Ready));
+    assert_eq!(sim.pp("p").status.settings_updated_nodes, 4);
+    let first_tokens: Vec<Option<String>> = sim
+        .proxies
+        .values()
+        .map(|np| np.spec.rollout_token.clone())
+        .collect();
+    assert!(
+        first_tokens
+            .iter()
+            .all(|t| t.as_deref() == Some("p-g1-settings-nftables")),
+        "{first_tokens:?}"
+    );
+
+    // Generation 2: only the settings change. The first wave is admitted, the rest keeps its spec.
+    next_generation(&mut sim, |s| s["proxy"]["masqueradeAll"] = json!(true));
+    let before: BTreeMap<String, _> = sim
+        .proxies
+        .iter()
+        .map(|(n, np)| (n.clone(), np.spec.clone()))
+        .collect();
+    sim.step();
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Progressing));
+    let first: Vec<String> = pp.status.waves[0].nodes.clone();
+    let rest: Vec<String> = pp.status.waves[1].nodes.clone();
+    // maxUnavailable 1: one node of the wave at a time.
+    assert_eq!(pp.writes.len(), 1, "{:?}", pp.writes);
+    for w in &pp.writes {
+        assert!(first.contains(&w.node), "{w:?}");
+        assert_eq!(w.spec.rollout_token.as_deref(), Some("p-g2-settings-nftables"));
+        assert_eq!(w.spec.desired_mode, Some(NFT));
+    }
+    for n in &rest {
+        assert_eq!(sim.proxies[n].spec, before[n], "{n} waits with its spec");
+    }
+    // Switching until its agent answers: the wave waits for it.
+    sim.step();
+    assert!(sim.pp("p").writes.is_empty(), "{:?}", sim.pp("p").writes);
+    assert_eq!(sim.pp("p").status.waves[0].state, WaveState::Progressing);
+    for _ in 0..4 {
+        sim.agents();
+        sim.step();
+    }
+    assert_eq!(sim.pp("p").status.waves[0].state, WaveState::Soaking);
+
+    // Paused (generation 3, settings unchanged) while the first wave soaks: the rest keeps the
+    // old settings, also once the soak is over.
+    next_generation(&mut sim, |s| s["rollout"]["paused"] = json!(true));
+    sim.now += SignedDuration::from_secs(120);
+    run(&mut sim);
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Paused));
+    assert_eq!(pp.status.settings_updated_nodes, 2);
+    for n in &first {
+        assert_eq!(masquerade_all(&sim, n), Some(true), "{n}");
+        assert_eq!(
+            sim.proxies[n].spec.rollout_token.as_deref(),
+            Some("p-g2-settings-nftables")
+        );
+    }
+    for n in &rest {
+        assert_eq!(masquerade_all(&sim, n), Some(false), "{n}");
+        assert_eq!(
+            sim.proxies[n].spec.rollout_token.as_deref(),
+            Some("p-g1-settings-nftables")
+        );
+    }
+    // Which node runs which generation's settings: the paused ones generation 1's.
+    let by_node: BTreeMap<String, Option<i64>> = pp
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.settings_generation))
+        .collect();
+    for n in &first {
+        assert_eq!(
+            by_node[n],
+            Some(3),
+            "{n}: generation 3's settings are generation 2's"
+        );
+    }
+    for n in &rest {
+        assert_eq!(by_node[n], Some(1), "{n}");
+    }
+
+    // Resumed: the rest switches its settings, no node switches its mode.
+    next_generation(&mut sim, |s| s["rollout"]["paused"] = json!(false));
+    run(&mut sim);
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Ready));
+    assert_eq!(pp.status.settings_updated_nodes, 4);
+    assert_eq!(settings_generations(&sim), [Some(4); 4]);
+    for n in &rest {
+        assert_eq!(masquerade_all(&sim, n), Some(true), "{n}");
+        assert_eq!(
+            sim.proxies[n].spec.rollout_token.as_deref(),
+            Some("p-g4-settings-nftables")
+        );
+    }
+    assert!(sim.proxies.keys().all(|n| sim.active(n) == Some(NFT)));
+}
+
+#[test]
+fn a_generation_without_a_settings_change_re_rolls_nothing() {
+    let mut sim = Sim::new(
+        vec![settings_policy(json!({"masqueradeAll": true}), json!({}))],
+        4,
+        IPT,
+    );
+    run(&mut sim);
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Ready));
+    let tokens: Vec<Option<String>> = sim
+        .proxies
+        .values()
+        .map(|np| np.spec.rollout_token.clone())
+        .collect();
+    // The mode and the settings came in one switch.
+    assert!(
+        tokens.iter().all(|t| t.as_deref() == Some("p-g1-nftables")),
+        "{tokens:?}"
+    );
+    next_generation(&mut sim, |s| {
+        s["rollout"]["waves"] = json!([{"name": "all", "nodes": "100%"}])
+    });
+    sim.step();
+    for w in &sim.pp("p").writes {
+        assert_eq!(w.spec.rollout_token.as_deref(), Some("p-g1-nftables"), "{w:?}");
+        assert_eq!(w.spec.policy.as_ref().and_then(|r| r.generation), Some(2));
+    }
+    run(&mut sim);
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Ready));
+    assert_eq!(pp.status.settings_updated_nodes, 4);
+    let after: Vec<Option<String>> = sim
+        .proxies
+        .values()
+        .map(|np| np.spec.rollout_token.clone())
+        .collect();
+    assert_eq!(after, tokens);
+}
+
+#[test]
+fn a_failed_settings_switch_keeps_its_answer_and_halts_the_wave() {
+    let mut sim = Sim::new(
+        vec![settings_policy(json!({"masqueradeAll": false}), json!({}))],
+        4,
+        NFT,
+    );
+    run(&mut sim);
+    next_generation(&mut sim, |s| s["proxy"]["masqueradeAll"] = json!(true));
+    sim.step();
+    let admitted: Vec<String> = sim.pp("p").writes.iter().map(|w| w.node.clone()).collect();
+    sim.failing.insert(admitted[0].clone());
+    run(&mut sim);
+    let pp = sim.pp("p");
+    assert_eq!(pp.status.failed_nodes, 1);
+    assert_eq!(pp.status.phase, Some(PolicyPhase::Degraded));
+    assert_eq!(pp.status.settings_updated_nodes, 0);
+    let failed = pp.nodes.iter().find(|n| n.name == admitted[0]).unwrap();
+    assert_eq!(
+        (failed.state, failed.settings_generation),
+        (NodeState::Failed, None)
+    );
+    // The answered spec stays (its agent keeps the settings it put back); the rest is not started.
+    assert_eq!(
+        sim.proxies[&admitted[0]].spec.rollout_token.as_deref(),
+        Some("p-g2-settings-nftables")
+    );
+    for n in &pp.status.waves[1].nodes {
+        assert_eq!(masquerade_all(&sim, n), Some(false), "{n}");
+    }
+    assert!(
+        sim.event_reasons().contains(&EventReason::NodeSwitchFailed),
+        "{:?}",
+        sim.event_reasons()
+    );
+
+    // A later generation (settings unchanged) retries the failed node's settings switch.
+    sim.failing.clear();
+    next_generation(&mut sim, |s| s["rollout"]["maxFailures"] = json!(1));
+    sim.step();
+    let retry = sim
+        .pp("p")
+        .nodes
+        .iter()
+        .find(|n| n.name == admitted[0])
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (retry.state, retry.settings_generation),
+        (NodeState::Switching, None)
+    );
+    assert_eq!(
+        sim.proxies[&admitted[0]].spec.rollout_token.as_deref(),
+        Some("p-g3-settings-nftables")
+    );
+    run(&mut sim);
+    assert_eq!(sim.pp("p").status.phase, Some(PolicyPhase::Ready));
+    assert_eq!(sim.pp("p").status.settings_updated_nodes, 4);
 }

@@ -358,6 +358,12 @@ pub struct ProxyPolicyStatus {
     /// Nodes that cannot run the mode and have no fallback.
     #[serde(default)]
     pub incompatible_nodes: i32,
+    /// Governed nodes whose agent runs this generation's `spec.proxy` (answered the switch that
+    /// gave it them). A settings change rolls out in waves like a mode change: nodes waiting for
+    /// their wave, or whose settings switch failed its health gate, keep the settings they ran
+    /// (`kubectl switchyard plan` names each node's settings generation).
+    #[serde(default)]
+    pub settings_updated_nodes: i32,
     /// Name of the wave being rolled out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_wave: Option<String>,

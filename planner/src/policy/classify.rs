@@ -8,7 +8,7 @@ use switchyard_crds::v1alpha1::{
     Fallback, NodeProxyStatus, ProxyMode, SwitchOutcome, SwitchPhase, SwitchResult,
 };
 
-use super::{super::NodeInput, NodeProxyInput, NodeState, PolicyInput, parse_token};
+use super::{super::NodeInput, NodeProxyInput, NodeState, PolicyInput, is_settings_token, parse_token};
 
 /// One governed node, classified.
 #[derive(Clone, Debug)]
@@ -35,6 +35,11 @@ pub(crate) struct View<'a> {
     pub finished_at: Option<Timestamp>,
     /// Runs the target mode (phase Active).
     pub updated: bool,
+    /// Its NodeProxy's `spec.proxy` is not the policy's: a settings switch is pending (it waits
+    /// for its wave like a mode switch, keeping the settings it runs).
+    pub settings_pending: bool,
+    /// The policy generation whose `spec.proxy` it runs (see [`crate::NodePlan`]).
+    pub settings_generation: Option<i64>,
 }
 
 impl<'a> View<'a> {
@@ -51,6 +56,8 @@ impl<'a> View<'a> {
             reason: None,
             finished_at: None,
             updated: false,
+            settings_pending: false,
+            settings_generation: None,
         }
     }
 }
@@ -119,6 +126,8 @@ struct Release {
     parsed: Option<(i64, bool)>,
     /// The spec's desired mode.
     desired: Option<ProxyMode>,
+    /// The token is a settings switch ([`super::settings_token`]).
+    settings: bool,
 }
 
 impl Release {
@@ -130,6 +139,7 @@ impl Release {
         let token = spec.and_then(|s| s.rollout_token.clone()).filter(|_| ours);
         let parsed = token.as_deref().and_then(|t| parse_token(&p.name, t));
         Self {
+            settings: token.as_deref().is_some_and(|t| is_settings_token(&p.name, t)),
             token,
             parsed,
             desired: spec.and_then(|s| s.desired_mode),
@@ -154,7 +164,33 @@ impl Release {
 
 /// Classifies one node.
 pub(crate) fn classify<'a>(p: &PolicyInput, node: &'a NodeInput, np: Option<&'a NodeProxyInput>) -> View<'a> {
+    let mut v = classify_mode(p, node, np);
+    v.settings_generation = settings_generation(p, &v);
+    v
+}
+
+/// The generation whose settings the node runs: this one when its spec has the policy's, else
+/// its spec's (the planner keeps the reference of a node waiting for a settings switch); `None`
+/// while its agent has not answered the spec, or for a spec of another policy.
+fn settings_generation(p: &PolicyInput, v: &View<'_>) -> Option<i64> {
+    let settled = matches!(
+        v.state,
+        NodeState::Healthy | NodeState::Pending | NodeState::Unhealthy | NodeState::Incompatible
+    );
+    if !settled {
+        return None;
+    }
+    if !v.settings_pending {
+        return Some(p.generation);
+    }
+    let reference = v.np?.spec.policy.as_ref().filter(|r| r.name == p.name)?;
+    reference.generation
+}
+
+/// Classifies one node's mode switch (and a pending settings switch).
+fn classify_mode<'a>(p: &PolicyInput, node: &'a NodeInput, np: Option<&'a NodeProxyInput>) -> View<'a> {
     let mut v = View::new(node, np);
+    v.settings_pending = np.is_some_and(|n| n.spec.proxy != p.spec.proxy);
     let target = match target_mode(p, np) {
         Ok(t) => t,
         Err(reason) => {
@@ -223,6 +259,8 @@ fn reported<'a>(
             .is_some_and(|l| l.rollout_token.is_some() && l.rollout_token == release.token);
     let outcome = r.last.map(SwitchResult::outcome);
     if answered && let Some(o) = outcome.as_ref().filter(|o| o.is_failure()) {
+        // The agent put back the settings it ran before: the spec's are not in force.
+        v.settings_pending = true;
         if release.of_generation(p.generation) {
             v.state = NodeState::Failed;
             v.available = r.serving;
@@ -241,7 +279,9 @@ fn reported<'a>(
         v.token = release.token;
     }
     let succeeded = answered && outcome == Some(SwitchOutcome::Succeeded);
-    settle(v, target, &r, released, succeeded)
+    // A settings switch leaves the mode as it is: the node switches until its agent answers.
+    let settings_switch = released && release.settings && !answered;
+    settle(v, target, &r, released, succeeded, settings_switch)
 }
 
 /// The state of a reported node that is neither rolling back nor failed for this generation.
@@ -251,10 +291,19 @@ fn settle<'a>(
     r: &Report<'_>,
     released: bool,
     succeeded: bool,
+    settings_switch: bool,
 ) -> View<'a> {
     v.updated = r.active == Some(target) && r.serving;
-    if v.updated && r.healthy {
-        v.state = NodeState::Healthy;
+    if settings_switch {
+        v.state = NodeState::Switching;
+        v.available = false;
+    } else if v.updated && r.healthy {
+        // Runs the mode with other settings: waits for its wave like a node to switch.
+        v.state = if v.settings_pending {
+            NodeState::Pending
+        } else {
+            NodeState::Healthy
+        };
         v.switched_here = succeeded;
         v.rollback_to = r
             .last
@@ -450,6 +499,76 @@ mod tests {
             );
             let why = v.reason.clone().unwrap_or_default();
             assert!(why.contains(reason), "{name}: reason {why:?}");
+        }
+    }
+
+    #[test]
+    fn settings_switch_table() {
+        let p = with_proxy(
+            policy_input("pool", NFT, 2),
+            serde_json::json!({"masqueradeAll": true}),
+        );
+        let node = node_input("n1");
+        let new_settings = |mut np: NodeProxyInput| {
+            np.spec.proxy = p.spec.proxy.clone();
+            np
+        };
+        let settings_tok = "pool-g2-settings-nftables";
+        // (case, NodeProxy, state, available, settings generation)
+        let cases: Vec<(&str, NodeProxyInput, NodeState, bool, Option<i64>)> = vec![
+            (
+                "runs the mode with other settings: pending",
+                answered(NFT, "pool-g1-nftables", IPT, "Succeeded"),
+                NodeState::Pending,
+                true,
+                Some(1),
+            ),
+            (
+                "runs the mode and the settings",
+                new_settings(answered(NFT, "pool-g1-nftables", IPT, "Succeeded")),
+                NodeState::Healthy,
+                true,
+                Some(2),
+            ),
+            (
+                "settings switch not answered yet",
+                new_settings(NodeProxyInput {
+                    spec: released(NFT, settings_tok),
+                    ..np(NFT, BOTH)
+                }),
+                NodeState::Switching,
+                false,
+                None,
+            ),
+            (
+                "settings switch answered",
+                new_settings(answered(NFT, settings_tok, NFT, "Succeeded")),
+                NodeState::Healthy,
+                true,
+                Some(2),
+            ),
+            (
+                "settings switch rolled back",
+                new_settings(answered(NFT, settings_tok, NFT, "RolledBack")),
+                NodeState::Failed,
+                true,
+                None,
+            ),
+            (
+                "settings switch rolled back under an older generation: pending again",
+                new_settings(answered(NFT, "pool-g1-settings-nftables", NFT, "RolledBack")),
+                NodeState::Pending,
+                true,
+                Some(1),
+            ),
+        ];
+        for (name, np, state, available, generation) in cases {
+            let v = classify(&p, &node, Some(&np));
+            assert_eq!(
+                (v.state, v.available, v.settings_generation),
+                (state, available, generation),
+                "{name}"
+            );
         }
     }
 

@@ -250,6 +250,7 @@ mod tests {
             healthy_nodes: 0,
             failed_nodes: 0,
             incompatible_nodes: 0,
+            settings_updated_nodes: 0,
         }
     }
 

@@ -48,6 +48,12 @@ pub(crate) fn with_rollout(mut p: PolicyInput, fields: serde_json::Value) -> Pol
     p
 }
 
+/// `p` with this `spec.proxy`.
+pub(crate) fn with_proxy(mut p: PolicyInput, proxy: serde_json::Value) -> PolicyInput {
+    p.spec.proxy = Some(serde_json::from_value(proxy).unwrap());
+    p
+}
+
 /// `p` with these waves.
 pub(crate) fn with_waves(p: PolicyInput, waves: serde_json::Value) -> PolicyInput {
     with_rollout(p, serde_json::json!({ "waves": waves }))

@@ -58,11 +58,29 @@ pub fn rollback_token(policy: &str, generation: i64, mode: ProxyMode) -> String 
     format!("{policy}-g{generation}-rollback-{mode}")
 }
 
+/// The rollout token of a settings switch of `policy` at `generation`: the node runs `mode`
+/// already and takes the generation's `spec.proxy` behind the health gate. A distinct token, so
+/// the planner knows to wait for the agent's answer although the mode does not change.
+pub fn settings_token(policy: &str, generation: i64, mode: ProxyMode) -> String {
+    format!("{policy}-g{generation}-settings-{mode}")
+}
+
 /// Splits a token of `policy` into (generation, is rollback); `None` if it is not this policy's.
 fn parse_token(policy: &str, token: &str) -> Option<(i64, bool)> {
+    let (generation, tail) = token_parts(policy, token)?;
+    Some((generation, tail.starts_with("rollback-")))
+}
+
+/// Whether `token` is a settings switch of `policy` ([`settings_token`]).
+fn is_settings_token(policy: &str, token: &str) -> bool {
+    token_parts(policy, token).is_some_and(|(_, tail)| tail.starts_with("settings-"))
+}
+
+/// A token of `policy` as (generation, what follows it).
+fn token_parts<'t>(policy: &str, token: &'t str) -> Option<(i64, &'t str)> {
     let rest = token.strip_prefix(policy)?.strip_prefix("-g")?;
     let (generation, tail) = rest.split_once('-')?;
-    Some((generation.parse().ok()?, tail.starts_with("rollback-")))
+    Some((generation.parse().ok()?, tail))
 }
 
 #[cfg(test)]
@@ -149,6 +167,7 @@ fn node_plans(views: &[View<'_>], waves: &Waves<'_>, budget: &Budget, gates: &Ga
             },
             target: v.target,
             reason: v.reason.clone(),
+            settings_generation: status::settings_generation(views, budget, gates, i),
         })
         .collect()
 }

@@ -32,6 +32,8 @@ pub(crate) struct Summary {
     pub failed_nodes: i32,
     /// Nodes that cannot run the mode.
     pub incompatible_nodes: i32,
+    /// Nodes running this generation's settings.
+    pub settings_updated_nodes: i32,
 }
 
 impl Summary {
@@ -46,6 +48,7 @@ impl Summary {
             healthy_nodes: self.healthy_nodes,
             failed_nodes: self.failed_nodes,
             incompatible_nodes: self.incompatible_nodes,
+            settings_updated_nodes: self.settings_updated_nodes,
             current_wave: self.current_wave.clone(),
             waves: self.waves.clone(),
         }
@@ -95,7 +98,23 @@ pub(crate) fn summarize(
         healthy_nodes: count(views.iter(), |v| v.state == NodeState::Healthy),
         failed_nodes: len(budget.failed.len()),
         incompatible_nodes: count(views.iter(), |v| v.state == NodeState::Incompatible),
+        settings_updated_nodes: len((0..views.len())
+            .filter(|&i| settings_generation(views, budget, gates, i) == Some(p.generation))
+            .count()),
     }
+}
+
+/// The generation whose settings node `i` runs, `None` while it switches (also when this plan
+/// admits it or rolls it back).
+pub(crate) fn settings_generation(
+    views: &[View<'_>],
+    budget: &Budget,
+    gates: &Gates,
+    i: usize,
+) -> Option<i64> {
+    let moving =
+        budget.roll_back.get(i).copied().unwrap_or(false) || gates.admit.get(i).copied().unwrap_or(false);
+    views[i].settings_generation.filter(|_| !moving)
 }
 
 /// Per-wave status: state and times from the walk, counts from the views.

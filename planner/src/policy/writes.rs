@@ -1,10 +1,14 @@
 //! Stage 5, writes: the NodeProxy spec of every governed node that differs from its current one.
 //! A node keeps its release (and token) while it is valid, is released when admitted, sent back
-//! with a rollback token when the rollback returns it, and otherwise only names the policy.
+//! with a rollback token when the rollback returns it, and otherwise is held: it names the policy
+//! and keeps the settings it runs. The policy's `spec.proxy` reaches a node only with a token, in
+//! its wave: with the mode switch, or as a settings switch of a node that runs the mode already.
 
 use switchyard_crds::v1alpha1::{NodeProxySpec, PolicyReference, ProxyMode};
 
-use super::{Budget, Gates, NodeState, NodeWrite, PolicyInput, View, rollback_token, switch_token};
+use super::{
+    Budget, Gates, NodeState, NodeWrite, PolicyInput, View, rollback_token, settings_token, switch_token,
+};
 
 /// The NodeProxy specs to apply, in view order.
 pub(crate) fn writes(p: &PolicyInput, views: &[View<'_>], budget: &Budget, gates: &Gates) -> Vec<NodeWrite> {
@@ -55,16 +59,60 @@ fn desired_spec(
             policy: Some(reference.clone()),
             ..v.np?.spec.clone()
         },
+        // Other settings than the policy's reach a node only when it is admitted.
+        _ if v.settings_pending && !admit => held(p, reference, v),
         (NodeState::Healthy | NodeState::Unhealthy | NodeState::Switching | NodeState::Failed, Some(t)) => {
             release(t, v.token.clone().unwrap_or_else(|| switch_token(&p.name, g, t)))
         }
         (NodeState::Unknown, Some(t)) if v.token.is_some() => release(t, v.token.clone().unwrap_or_default()),
+        // Runs the mode already: only the settings switch, behind the health gate.
+        (NodeState::Pending, Some(t)) if admit && v.updated => release(t, settings_token(&p.name, g, t)),
         (NodeState::Pending, Some(t)) if admit => release(t, switch_token(&p.name, g, t)),
-        _ => NodeProxySpec {
+        _ => held(p, reference, v),
+    })
+}
+
+/// The spec of a node that waits (for its wave, or for a mode it can run): it keeps what it runs.
+/// A spec its agent has answered, that asks for the mode it runs, or a release still valid (a
+/// switch under way finishes with the settings it started with) stays as it is (a settings
+/// switch whose gate failed keeps its answered token, so the agent keeps the settings it put
+/// back); any other ask is withdrawn, its settings kept. The reference names the generation whose
+/// settings the spec carries: this one when they are the policy's, else the one it had.
+fn held(p: &PolicyInput, reference: &PolicyReference, v: &View<'_>) -> NodeProxySpec {
+    let Some(np) = v.np else {
+        return NodeProxySpec {
             policy: Some(reference.clone()),
             ..Default::default()
-        },
-    })
+        };
+    };
+    let current = &np.spec;
+    let policy = if v.settings_pending {
+        let ours = current.policy.clone().filter(|r| r.name == p.name);
+        ours.unwrap_or_else(|| PolicyReference {
+            generation: None,
+            ..reference.clone()
+        })
+    } else {
+        reference.clone()
+    };
+    let status = np.status.as_ref();
+    let runs_it =
+        current.desired_mode.is_some() && current.desired_mode == status.and_then(|s| s.active_mode);
+    let answered = current.rollout_token.is_some()
+        && status
+            .and_then(|s| s.last_switch.as_ref())
+            .is_some_and(|l| l.rollout_token == current.rollout_token);
+    if runs_it || answered || v.token.is_some() {
+        return NodeProxySpec {
+            policy: Some(policy),
+            ..current.clone()
+        };
+    }
+    NodeProxySpec {
+        policy: Some(policy),
+        proxy: current.proxy.clone(),
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]
@@ -83,6 +131,87 @@ mod tests {
         bool,
         Option<(Option<ProxyMode>, Option<&'static str>)>,
     );
+
+    /// A node that runs the mode with other settings than the policy's keeps its spec until
+    /// admitted, then gets the settings with a settings token; a held node keeps its settings.
+    #[test]
+    fn settings_writes_table() {
+        let p = with_proxy(
+            policy_input("pool", NFT, 2),
+            serde_json::json!({"masqueradeAll": true}),
+        );
+        let old = Some(serde_json::from_value(serde_json::json!({"masqueradeAll": false})).unwrap());
+        let on_old = |mut np: NodeProxyInput| {
+            np.spec.proxy.clone_from(&old);
+            np
+        };
+        // (case, NodeProxy, admit, expected: None = no write, else (mode, token, settings are new))
+        type SettingsCase = (
+            &'static str,
+            NodeProxyInput,
+            bool,
+            Option<(Option<ProxyMode>, Option<&'static str>, bool)>,
+        );
+        let cases: Vec<SettingsCase> = vec![
+            (
+                "waits for its wave: keeps its whole spec",
+                on_old(answered(NFT, "pool-g1-nftables", IPT, "Succeeded")),
+                false,
+                None,
+            ),
+            (
+                "admitted: the settings with a settings token, same mode",
+                on_old(answered(NFT, "pool-g1-nftables", IPT, "Succeeded")),
+                true,
+                Some((Some(NFT), Some("pool-g2-settings-nftables"), true)),
+            ),
+            (
+                "to switch its mode, held: keeps its settings",
+                on_old(np(IPT, BOTH)),
+                false,
+                Some((None, None, false)),
+            ),
+            (
+                "to switch its mode, admitted: mode and settings in one switch",
+                on_old(np(IPT, BOTH)),
+                true,
+                Some((Some(NFT), Some("pool-g2-nftables"), true)),
+            ),
+            (
+                "switching its mode under older settings: keeps them until answered",
+                on_old(NodeProxyInput {
+                    spec: released(NFT, "pool-g1-nftables"),
+                    ..np(IPT, BOTH)
+                }),
+                false,
+                None,
+            ),
+        ];
+        let node = node_input("n1");
+        for (name, np, admit, want) in cases {
+            let v = classify(&p, &node, Some(&np));
+            let g = Gates {
+                admit: vec![admit],
+                ..gates_none()
+            };
+            let b = Budget {
+                roll_back: vec![false],
+                ..budget_none()
+            };
+            let written = writes(&p, &[v], &b, &g);
+            let got = written.first().map(|w| {
+                (
+                    w.spec.desired_mode,
+                    w.spec.rollout_token.as_deref(),
+                    w.spec.proxy == p.spec.proxy,
+                )
+            });
+            assert_eq!(got, want, "{name}");
+            if let Some(w) = written.first().filter(|_| !admit) {
+                assert_eq!(w.spec.proxy, old, "{name}: a held node keeps its settings");
+            }
+        }
+    }
 
     #[test]
     fn writes_table() {
