@@ -87,6 +87,10 @@ pub struct GateProgress {
     pub target_waiting: bool,
     /// Time since Preparing started.
     pub preparing_for: Duration,
+    /// The request brings other policy settings than the node ran before it: with the mode the
+    /// node runs, a settings switch (the settings were taken, the gate decides whether they stay;
+    /// see `runtime::settings_switch`).
+    pub settings_changed: bool,
 }
 
 /// Health-gate parameters.
@@ -153,6 +157,13 @@ pub fn decide(
                     Step::Refuse {
                         reason: format!("this node cannot run {} (supported: {supported:?})", d.mode),
                     }
+                }
+            }
+            // A settings switch: the backend that serves stays, the gate checks its new settings.
+            Some(d) if progress.settings_changed && d.token.is_some() && d.token != state.answered => {
+                Step::Prepare {
+                    target: d.mode,
+                    token: d.token.clone(),
                 }
             }
             _ => Step::Idle,
@@ -477,6 +488,10 @@ mod tests {
             healthy_for: secs(healthy),
             ..GateProgress::default()
         };
+        let new_settings = GateProgress {
+            settings_changed: true,
+            ..GateProgress::default()
+        };
         let waiting = |preparing: u64| GateProgress {
             target_waiting: true,
             preparing_for: secs(preparing),
@@ -495,6 +510,26 @@ mod tests {
                 SwitchState::active(Nftables),
                 Some(want(Nftables, "t1")),
                 ok(0, 0),
+                Step::Idle,
+            ),
+            (
+                "already there, new settings: a settings switch",
+                SwitchState::active(Nftables),
+                Some(want(Nftables, "t1")),
+                new_settings,
+                Step::Prepare {
+                    target: Nftables,
+                    token: Some("t1".into()),
+                },
+            ),
+            (
+                "a settings switch answered is not retried",
+                SwitchState {
+                    answered: Some("t1".into()),
+                    ..SwitchState::active(Nftables)
+                },
+                Some(want(Nftables, "t1")),
+                new_settings,
                 Step::Idle,
             ),
             (

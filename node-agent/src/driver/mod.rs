@@ -100,6 +100,9 @@ pub struct Driver {
     /// Set when something a person should see changed (phase, result).
     pub dirty: bool,
     started: Option<k8s_openapi::jiff::Timestamp>,
+    /// The request brings other policy settings than the node ran before it (set by the runtime
+    /// each round): with the mode the node runs, a settings switch.
+    pub settings_changed: bool,
 }
 
 fn phase_api(p: Phase) -> SwitchPhase {
@@ -163,6 +166,7 @@ impl Driver {
             last: None,
             dirty: true,
             started: None,
+            settings_changed: false,
         }
     }
 
@@ -391,6 +395,7 @@ impl Driver {
             consecutive_failures: self.failures,
             target_waiting: self.target_waiting(),
             preparing_for: self.prepared_at.map(|t| t.elapsed()).unwrap_or_default(),
+            settings_changed: self.settings_changed,
         };
         match switch::decide(&self.state, desired, supported, gate_of(gate), progress) {
             Step::Idle | Step::AwaitTarget => false,
@@ -445,6 +450,10 @@ impl Driver {
         }
         self.started = Some(k8s_openapi::jiff::Timestamp::now());
         self.prepared_at = Some(Instant::now());
+        if target == self.state.active {
+            // A settings switch: the serving backend was rebuilt with the new settings and synced.
+            return true;
+        }
         let b = self.backend(target);
         let result = b
             .set_bypass(true)
@@ -466,11 +475,15 @@ impl Driver {
         }) {
             return false;
         }
-        // Make before break: the new entry points open before the old ones close.
-        let result = self
-            .backend(to)
-            .set_bypass(false)
-            .and_then(|()| self.backend(from).set_bypass(true));
+        // Make before break: the new entry points open before the old ones close (a settings
+        // switch keeps its one backend open).
+        let result = if from == to {
+            Ok(())
+        } else {
+            self.backend(to)
+                .set_bypass(false)
+                .and_then(|()| self.backend(from).set_bypass(true))
+        };
         if let Err(e) = result {
             return self.roll_back(snapshot, format!("cut-over failed: {e}"));
         }
@@ -534,11 +547,13 @@ impl Driver {
         }) {
             return false;
         }
-        if let Err(e) = self.backend(from).cleanup() {
-            tracing::error!(error = %e, "cleaning the old backend failed; will retry");
-            return false;
+        if from != to {
+            if let Err(e) = self.backend(from).cleanup() {
+                tracing::error!(error = %e, "cleaning the old backend failed; will retry");
+                return false;
+            }
+            self.backends.remove(&from);
         }
-        self.backends.remove(&from);
         let token = self.state.token.take();
         self.settle(to, token.clone());
         self.persist(); // after the effect: retried before the next step on failure

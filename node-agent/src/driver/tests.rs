@@ -768,3 +768,89 @@ fn a_takeover_from_external_programs_next_to_the_other_proxy_and_removes_none_of
     assert_eq!((d.state.active, d.state.phase), (NFT, Phase::Active));
     assert_eq!(rig.programmed(), BTreeMap::from([(NFT, false)]));
 }
+
+/// A request with the mode the node runs and other settings (the runtime took them before the
+/// step and says so): the gate decides.
+fn settings_switch(rig: &mut Rig, mode: ProxyMode) -> Desired {
+    rig.driver.settings_changed = true;
+    Desired {
+        token: Some(format!("settings-{mode}")),
+        ..want(mode)
+    }
+}
+
+#[test]
+fn a_settings_switch_runs_the_gate_on_the_serving_backend_without_bypassing_it() {
+    let mut rig = Rig::synced(NFT);
+    let (desired, gate) = (settings_switch(&mut rig, NFT), gate(0, 3));
+    assert!(rig.step(&desired, &gate), "prepare");
+    assert!(rig.driver.switching());
+    assert!(rig.step(&desired, &gate), "cut-over");
+    assert!(!rig.step(&desired, &gate), "min healthy 0: the gate passes");
+    assert_eq!(
+        rig.take_log(),
+        Vec::<String>::new(),
+        "the serving backend is neither bypassed nor removed"
+    );
+    assert_eq!(rig.programmed(), BTreeMap::from([(NFT, false)]));
+    assert_eq!(
+        rig.stored_phases(),
+        [
+            Phase::Active,
+            Phase::Preparing,
+            Phase::CutOver,
+            Phase::Verifying,
+            Phase::Cleaning,
+            Phase::Active
+        ]
+    );
+    let d = &rig.driver;
+    assert_eq!((d.state.active, d.state.phase), (NFT, Phase::Active));
+    assert_eq!(d.state.answered.as_deref(), Some("settings-nftables"));
+    let last = d.last.as_ref().expect("finished");
+    assert_eq!(
+        (last.from, last.to, last.result.clone()),
+        (NFT, NFT, SwitchOutcome::Succeeded)
+    );
+    // Answered: not run again.
+    assert!(!rig.step(&desired, &gate));
+    assert!(!rig.driver.switching());
+    // The same token without a settings change is no switch.
+    let mut rig = Rig::synced(NFT);
+    assert!(!rig.step(&want(NFT), &gate));
+    assert!(!rig.driver.switching() && rig.driver.last.is_none());
+}
+
+#[test]
+fn a_failed_settings_gate_rolls_back_and_keeps_the_backend_serving() {
+    let mut rig = Rig::synced(NFT);
+    let (desired, gate) = (settings_switch(&mut rig, NFT), gate(60, 2));
+    with(&rig.probes, |p| {
+        p.results = vec![ProbeResult {
+            target: "default/kubernetes 10.96.0.1:443".into(),
+            ok: false,
+            detail: Some("connection refused".into()),
+        }]
+    });
+    assert!(rig.step(&desired, &gate));
+    assert!(rig.step(&desired, &gate));
+    assert!(!rig.step(&desired, &gate));
+    assert!(!rig.step(&desired, &gate));
+    assert!(
+        !rig.step(&desired, &gate),
+        "the threshold is reached: rolled back"
+    );
+    let last = rig.driver.last.clone().expect("finished");
+    assert_eq!((last.to, last.result), (NFT, SwitchOutcome::RolledBack));
+    assert!(last.reason.contains("2 consecutive"), "{}", last.reason);
+    assert_eq!(rig.driver.state.answered.as_deref(), Some("settings-nftables"));
+    // The backend re-synced in full (with the settings the runtime puts back), never bypassed.
+    let log = rig.take_log();
+    assert_eq!(
+        log,
+        ["nftables bypass=false", "nftables sync full=true"],
+        "{log:?}"
+    );
+    assert_eq!(rig.programmed(), BTreeMap::from([(NFT, false)]));
+    assert!(!rig.step(&desired, &gate), "answered: not retried");
+}
