@@ -2,18 +2,30 @@
 //! current Services and EndpointSlices as model values and remembers which Services changed since
 //! the last sync, so a sync can touch only those.
 //!
+//! The snapshot a sync programs is kept up to date per changed Service
+//! ([`Tracker::shared_snapshot`]): a round costs what changed, not the cluster's size. Two
+//! buffers alternate, so that the one handed out last round (which the conntrack cleaner keeps as
+//! "what is programmed") is not the one updated in place; a buffer still shared is copied first
+//! (`Arc::make_mut`), so sharing stays correct, only slower. [`Tracker::snapshot`] builds the same
+//! state from scratch: the oracle of the incremental one in the tests.
+//!
 //! The `service.kubernetes.io/service-proxy-name` filter is applied here, client-side: every
 //! Service is kept with its label, and only those whose label equals the proxy's name (both absent
 //! for the default proxy) are in the snapshot. [`Tracker::set_proxy_name`] changes the name
 //! without a relist and marks exactly the Services that appear or disappear.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use switchyard_crds::consts::SERVICE_PROXY_NAME_LABEL;
 
-use super::{Changes, DualSnapshot, Endpoint, IpFamily, Protocol, ServiceName, ServicePort, convert};
+use super::{
+    Changes, DualSnapshot, Endpoint, IpFamily, Protocol, ServiceName, ServicePort, ServicePortName, convert,
+};
 
 type SliceKey = (String, String);
 type SliceEndpoints = Vec<((String, Protocol), Vec<Endpoint>)>;
@@ -26,13 +38,27 @@ struct TrackedService {
     ports: Vec<ServicePort>,
 }
 
+/// One incrementally kept snapshot and the Services changed since it was last brought up to date.
+#[derive(Debug, Default)]
+struct Buffer {
+    snapshot: Arc<DualSnapshot>,
+    dirty: BTreeSet<ServiceName>,
+    /// Built once from scratch (before that, `dirty` does not cover everything).
+    built: bool,
+}
+
 /// The tracker. Feed it watch events; take a [`Snapshot`] and the [`Changes`] at sync time.
 #[derive(Debug, Default)]
 pub struct Tracker {
     proxy_name: Option<String>,
     services: BTreeMap<ServiceName, TrackedService>,
     slices: BTreeMap<SliceKey, (ServiceName, SliceEndpoints)>,
+    /// The slices of each Service (an index into `slices`).
+    slices_of: BTreeMap<ServiceName, BTreeSet<SliceKey>>,
     changed: BTreeSet<ServiceName>,
+    /// The two snapshot buffers, used in turn ([`Tracker::shared_snapshot`]).
+    buffers: [Buffer; 2],
+    next_buffer: usize,
     services_synced: bool,
     slices_synced: bool,
 }
@@ -47,7 +73,25 @@ impl Tracker {
     }
 
     fn mark(&mut self, name: ServiceName) {
+        for b in &mut self.buffers {
+            b.dirty.insert(name.clone());
+        }
         self.changed.insert(name);
+    }
+
+    /// Records which Service slice `key` belongs to (`None`: the slice is gone).
+    fn index_slice(&mut self, key: &SliceKey, old: Option<&ServiceName>, new: Option<&ServiceName>) {
+        if let Some(old) = old
+            && let Some(keys) = self.slices_of.get_mut(old)
+        {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.slices_of.remove(old);
+            }
+        }
+        if let Some(new) = new {
+            self.slices_of.entry(new.clone()).or_default().insert(key.clone());
+        }
     }
 
     /// The ports of `entry` this proxy programs: none for a Service of another proxy.
@@ -141,7 +185,10 @@ impl Tracker {
         {
             return false;
         }
-        if let Some((old_service, _)) = self.slices.insert(key, (service.clone(), endpoints)) {
+        let old = self.slices.insert(key.clone(), (service.clone(), endpoints));
+        let old_service = old.map(|(s, _)| s);
+        self.index_slice(&key, old_service.as_ref(), Some(&service));
+        if let Some(old_service) = old_service {
             self.mark(old_service);
         }
         self.mark(service);
@@ -150,7 +197,9 @@ impl Tracker {
 
     /// An EndpointSlice was deleted.
     pub fn delete_slice(&mut self, namespace: &str, name: &str) -> bool {
-        if let Some((service, _)) = self.slices.remove(&(namespace.to_owned(), name.to_owned())) {
+        let key = (namespace.to_owned(), name.to_owned());
+        if let Some((service, _)) = self.slices.remove(&key) {
+            self.index_slice(&key, Some(&service), None);
             self.mark(service);
             return true;
         }
@@ -174,6 +223,7 @@ impl Tracker {
     /// Replaces all EndpointSlices (a watch relist).
     pub fn reset_slices(&mut self, all: &[EndpointSlice]) {
         let old = std::mem::take(&mut self.slices);
+        self.slices_of.clear();
         for slice in all {
             self.apply_slice(slice);
         }
@@ -232,11 +282,102 @@ impl Tracker {
         }
         for snap in [&mut dual.v4, &mut dual.v6] {
             for eps in snap.endpoints.values_mut() {
-                eps.sort();
-                eps.dedup_by(|a, b| a.ip == b.ip && a.port == b.port);
+                canonical(eps);
             }
         }
         dual
+    }
+
+    /// The same state as [`Tracker::snapshot`], kept up to date incrementally: brings the older
+    /// of the two buffers up to date with the Services changed since it was last handed out, and
+    /// hands it out. Independent of [`Tracker::take_changes`].
+    pub fn shared_snapshot(&mut self) -> Arc<DualSnapshot> {
+        let i = self.next_buffer;
+        self.next_buffer = 1 - i;
+        let dirty = std::mem::take(&mut self.buffers[i].dirty);
+        // Past half of the Services (and more than a few), one pass over everything is cheaper
+        // than per-Service edits.
+        if !self.buffers[i].built || (dirty.len() > 64 && dirty.len() > self.services.len() / 2) {
+            let fresh = self.snapshot();
+            let buffer = &mut self.buffers[i];
+            buffer.snapshot = Arc::new(fresh);
+            buffer.built = true;
+        } else {
+            let mut snapshot = std::mem::take(&mut self.buffers[i].snapshot);
+            let dual = Arc::make_mut(&mut snapshot);
+            for name in &dirty {
+                self.refresh(dual, name);
+            }
+            self.buffers[i].snapshot = snapshot;
+        }
+        Arc::clone(&self.buffers[i].snapshot)
+    }
+
+    /// Rewrites Service `name`'s ports and endpoints in `dual` from the tracked state, exactly as
+    /// [`Tracker::snapshot`] would have them.
+    fn refresh(&self, dual: &mut DualSnapshot, name: &ServiceName) {
+        for snap in [&mut dual.v4, &mut dual.v6] {
+            remove_service(&mut snap.services, name);
+            remove_service(&mut snap.endpoints, name);
+        }
+        for port in self.visible(self.services.get(name)) {
+            dual.get_mut(port.family())
+                .services
+                .insert(port.name.clone(), port.clone());
+        }
+        let mut touched = BTreeSet::new();
+        for key in self.slices_of.get(name).into_iter().flatten() {
+            let Some((service, per_port)) = self.slices.get(key).filter(|(s, _)| s == name) else {
+                continue;
+            };
+            for ((port_name, protocol), eps) in per_port {
+                let key = ServicePortName {
+                    service: service.clone(),
+                    port_name: port_name.clone(),
+                    protocol: *protocol,
+                };
+                let Some(family) = eps.first().map(|e| IpFamily::of(&e.ip)) else {
+                    continue;
+                };
+                let snap = dual.get_mut(family);
+                if snap.services.contains_key(&key) {
+                    snap.endpoints
+                        .entry(key.clone())
+                        .or_default()
+                        .extend(eps.iter().cloned());
+                    touched.insert((family, key));
+                }
+            }
+        }
+        for (family, key) in touched {
+            if let Some(eps) = dual.get_mut(family).endpoints.get_mut(&key) {
+                canonical(eps);
+            }
+        }
+    }
+}
+
+/// Endpoints in their snapshot order: sorted, one per address and port.
+fn canonical(eps: &mut Vec<Endpoint>) {
+    eps.sort();
+    eps.dedup_by(|a, b| a.ip == b.ip && a.port == b.port);
+}
+
+/// Removes every port of Service `name` from a map keyed by service port.
+fn remove_service<V>(map: &mut BTreeMap<ServicePortName, V>, name: &ServiceName) {
+    // The smallest key of the Service: ports order by Service, then name, then protocol.
+    let first = ServicePortName {
+        service: name.clone(),
+        port_name: String::new(),
+        protocol: Protocol::Tcp,
+    };
+    let keys: Vec<ServicePortName> = map
+        .range(first..)
+        .take_while(|(k, _)| k.service == *name)
+        .map(|(k, _)| k.clone())
+        .collect();
+    for key in keys {
+        map.remove(&key);
     }
 }
 
@@ -304,5 +445,140 @@ mod tests {
         assert!(t.set_proxy_name(None));
         assert_eq!(programmed(&t), ["plain", "second"], "back to the default proxy");
         assert_eq!(t.proxy_name(), None);
+    }
+
+    /// A small deterministic generator (xorshift64*), so failures reproduce from the seed.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+        }
+    }
+
+    /// One of a few Service shapes: single TCP port, named TCP + UDP ports, dual-stack; with or
+    /// without the proxy-name label.
+    fn random_service(rng: &mut Rng, name: &str) -> Service {
+        let labels = (rng.below(4) == 0).then(|| serde_json::json!({ SERVICE_PROXY_NAME_LABEL: "swy" }));
+        let spec = match rng.below(3) {
+            0 => serde_json::json!({"clusterIP": "10.96.0.10", "ports": [{"port": 80, "protocol": "TCP"}]}),
+            1 => serde_json::json!({"clusterIP": "10.96.0.11", "ports": [
+                {"name": "http", "port": 80, "protocol": "TCP"},
+                {"name": "dns", "port": 53, "protocol": "UDP"}]}),
+            _ => serde_json::json!({
+                "clusterIP": "10.96.0.12", "clusterIPs": ["10.96.0.12", "fd00:10:96::12"],
+                "ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "PreferDualStack",
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}),
+        };
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": name, "labels": labels}, "spec": spec,
+        }))
+        .expect("service")
+    }
+
+    /// A slice of Service `service` with a few endpoints (some shared with other slices, some
+    /// not ready), for the unnamed port, `http` or `dns`.
+    fn random_slice(rng: &mut Rng, name: &str, service: &str) -> EndpointSlice {
+        let v6 = rng.below(3) == 0;
+        let ports = match rng.below(3) {
+            0 => serde_json::json!([{"port": 8080, "protocol": "TCP"}]),
+            1 => serde_json::json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+            _ => serde_json::json!([{"name": "http", "port": 8080, "protocol": "TCP"},
+                                    {"name": "dns", "port": 5353, "protocol": "UDP"}]),
+        };
+        let endpoints: Vec<serde_json::Value> = (0..rng.below(4))
+            .map(|_| {
+                let host = 10 + rng.below(4);
+                let address = if v6 {
+                    format!("fd00:10:244::{host}")
+                } else {
+                    format!("10.244.0.{host}")
+                };
+                serde_json::json!({"addresses": [address], "conditions": {"ready": rng.below(4) != 0},
+                                   "nodeName": format!("n{}", rng.below(2))})
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": name,
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": if v6 { "IPv6" } else { "IPv4" },
+            "ports": ports, "endpoints": endpoints,
+        }))
+        .expect("slice")
+    }
+
+    /// One random watch event (or relist, or proxy-name change) applied to `t`.
+    fn random_event(rng: &mut Rng, t: &mut Tracker) {
+        let svc = format!("s{}", rng.below(6));
+        let slice = format!("e{}", rng.below(10));
+        match rng.below(20) {
+            0..=5 => {
+                t.apply_service(&random_service(rng, &svc));
+            }
+            6 => {
+                t.delete_service("ns", &svc);
+            }
+            7..=14 => {
+                t.apply_slice(&random_slice(rng, &slice, &svc));
+            }
+            15 | 16 => {
+                t.delete_slice("ns", &slice);
+            }
+            17 => {
+                let mut all: Vec<Service> = Vec::new();
+                for i in 0..rng.below(4) {
+                    all.push(random_service(rng, &format!("s{i}")));
+                }
+                t.reset_services(&all);
+            }
+            18 => {
+                let mut all: Vec<EndpointSlice> = Vec::new();
+                for i in 0..rng.below(6) {
+                    let service = format!("s{}", rng.below(6));
+                    all.push(random_slice(rng, &format!("e{i}"), &service));
+                }
+                t.reset_slices(&all);
+            }
+            _ => {
+                t.set_proxy_name((rng.below(2) == 0).then(|| "swy".to_owned()));
+            }
+        }
+    }
+
+    #[test]
+    fn the_incremental_snapshot_equals_one_built_from_scratch_after_any_events() {
+        assert!(
+            Protocol::Tcp < Protocol::Udp && Protocol::Tcp < Protocol::Sctp,
+            "remove_service's lower bound"
+        );
+        let mut compared = 0;
+        for seed in 1..=200u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut t = Tracker::new(None);
+            // A buffer still shared (as the cleaner keeps the last one) must not be changed.
+            let mut kept: Option<(Arc<DualSnapshot>, DualSnapshot)> = None;
+            for step in 0..60 {
+                for _ in 0..rng.below(4) {
+                    random_event(&mut rng, &mut t);
+                }
+                let shared = t.shared_snapshot();
+                assert_eq!(*shared, t.snapshot(), "seed {seed} step {step}");
+                compared += 1;
+                if let Some((old, copy)) = kept.take() {
+                    assert_eq!(
+                        *old, copy,
+                        "seed {seed} step {step}: a handed-out snapshot changed"
+                    );
+                }
+                if rng.below(2) == 0 {
+                    let copy = (*shared).clone();
+                    kept = Some((shared, copy));
+                }
+            }
+        }
+        assert_eq!(compared, 200 * 60);
     }
 }
