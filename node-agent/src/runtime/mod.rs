@@ -3,13 +3,16 @@
 //! kernel through the driver with the [`cleaner`]'s conntrack pass, [`step`] advances a switch,
 //! and [`status`] and [`registration`] keep the NodeProxy up to date. [`config`] holds the typed
 //! flags; the policy's settings that do not reach a backend (sync periods, service-proxy-name,
-//! conntrack [`sysctls`]) are taken before each round.
+//! conntrack [`sysctls`]) are taken before each round. Which policy settings are in force is
+//! [`settings_switch`]'s: a new rollout token brings them behind the health gate, and a failed
+//! gate puts back the ones from before.
 
 mod cleaner;
 pub mod config;
 mod intake;
 mod registration;
 mod runner;
+mod settings_switch;
 mod status;
 mod step;
 mod sync;
@@ -78,6 +81,8 @@ pub async fn run(
 /// What one round of the loop reads from intake.
 struct Input {
     wish: Wish,
+    /// Our Node.
+    node: Option<Node>,
     settings: Settings,
     /// The flags with the policy's settings laid over them.
     effective: Config,
@@ -93,6 +98,7 @@ fn read_input(shared: &Shared, config: &Config) -> Option<Input> {
     let settings = node_settings(&effective, node.as_ref());
     Some(Input {
         wish: lock(&shared.wish).clone(),
+        node,
         settings,
         effective,
     })
@@ -132,6 +138,9 @@ struct SyncLoop {
     sysctls: sysctls::ConntrackSysctls,
     /// Until when the first sync waits for our NodeProxy ([`SPEC_WAIT`]); set when it starts to.
     spec_deadline: Option<Instant>,
+    /// The policy settings in force, and those from before a settings switch.
+    settings_memory: settings_switch::Memory,
+    settings_file: settings_switch::MemoryFile,
 }
 
 async fn sync_loop(
@@ -153,6 +162,8 @@ async fn sync_loop(
         ),
         sysctls: sysctls::ConntrackSysctls::new(StateFile(config.state_dir.join("state.json"))),
         spec_deadline: None,
+        settings_memory: settings_switch::MemoryFile(config.state_dir.join("settings.json")).load(),
+        settings_file: settings_switch::MemoryFile(config.state_dir.join("settings.json")),
         client,
         config,
         shared,
@@ -172,6 +183,7 @@ async fn sync_loop(
             Some(d) => (d, false),
             None => (new_driver(&parts.config, &input.settings, &parts.faults), true),
         };
+        parts.settings_in_force(&mut input, &mut d);
         let localhost = sysctls::localhost_wanted(&input.settings, &d.state);
         parts.take_settings(&input.effective, localhost);
         // Localhost NodePorts only once route_localnet is set (a fresh driver has built no
@@ -189,6 +201,32 @@ async fn sync_loop(
 }
 
 impl SyncLoop {
+    /// Lays the policy settings in force over the round's input ([`settings_switch`]): the
+    /// spec's, except those a failed health gate put back; marks a request that changes them.
+    /// Only once our NodeProxy is listed (until then the spec says nothing).
+    fn settings_in_force(&mut self, input: &mut Input, d: &mut Driver) {
+        if !self.shared.spec_listed.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let spec = lock(&self.shared.proxy_settings).clone();
+        let token = input.wish.desired.as_ref().and_then(|w| w.token.clone());
+        let view = settings_switch::SwitchView {
+            switching: d.switching(),
+            answered: d.state.answered.as_deref(),
+            last: d.last.as_ref().map(|l| (l.token.as_deref(), &l.result)),
+        };
+        let remembered = self.settings_memory.clone();
+        let in_force = self.settings_memory.round(spec.as_ref(), token.as_deref(), view);
+        if self.settings_memory != remembered {
+            self.settings_file.store(&self.settings_memory);
+        }
+        d.settings_changed = in_force.changed;
+        if in_force.settings != spec {
+            input.effective = with_policy_settings(&self.config, in_force.settings.as_ref());
+            input.settings = node_settings(&input.effective, input.node.as_ref());
+        }
+    }
+
     /// Before the first sync: whether to wait (a while, or until a wake) for our NodeProxy to be
     /// listed; past [`SPEC_WAIT`] the first sync goes ahead with the flags' settings.
     async fn await_spec(&mut self) -> bool {
