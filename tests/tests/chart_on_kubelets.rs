@@ -646,7 +646,7 @@ async fn chart_serves_kubelet_nodes_without_kube_proxy_and_switches_them_in_wave
         );
     }
     // What the agent could not do in its unprivileged pod (a read-only /proc/sys): printed, for
-    // the record (e.g. route_localnet for NodePorts on 127.0.0.1 in iptables mode).
+    // the record (e.g. route_localnet for NodePorts on 127.0.0.1, on by default in iptables mode).
     let log1 = pod_log(&cluster, SY, &name_of(&agents["node-1"]));
     let warnings: Vec<&str> = log1.lines().filter(|l| l.contains(" WARN ")).collect();
     println!("node-1 agent warnings in iptables mode: {warnings:#?}");
