@@ -74,7 +74,7 @@ impl HostFacts {
             Ok(Some(reason)) => Err(reason),
             Err(e) => Err(e.to_string()),
         };
-        let ipvs_family = sys::genl::resolve_family("IPVS").unwrap_or_else(|e| Err(e.to_string()));
+        let ipvs_family = sys::genl::resolve_family("IPVS").map_err(|e| e.to_string());
         let (iptables_legacy, kubelet_chains_legacy) = iptables_facts(Variant::Legacy);
         let (iptables_nft, kubelet_chains_nft) = iptables_facts(Variant::Nft);
         Self {

@@ -65,6 +65,12 @@ pub enum KernelError {
         /// The errno the kernel answered (positive).
         errno: i32,
     },
+    /// The kernel's answer could not be read (a reply without the attribute asked for).
+    #[error("{what}: unreadable answer from the kernel")]
+    Malformed {
+        /// What was asked for.
+        what: String,
+    },
     /// The netlink socket itself failed (open, send, receive, timeout).
     #[error(transparent)]
     Transport(#[from] crate::Error),
@@ -94,7 +100,7 @@ impl KernelError {
             KernelError::PermissionDenied { .. } => Some(EPERM),
             KernelError::Unsupported { .. } => Some(EOPNOTSUPP),
             KernelError::Refused { errno, .. } => Some(*errno),
-            KernelError::Transport(_) => None,
+            KernelError::Malformed { .. } | KernelError::Transport(_) => None,
         }
     }
 

@@ -569,7 +569,10 @@ pub struct Ipvs {
 impl Ipvs {
     /// Resolves the `IPVS` family and opens a socket, in the caller's network namespace.
     pub fn open() -> Result<Self, IpvsError> {
-        let family = super::genl::resolve_family("IPVS")?.map_err(IpvsError::Unavailable)?;
+        let family = super::genl::resolve_family("IPVS").map_err(|e| match e {
+            KernelError::Transport(e) => IpvsError::Transport(e),
+            other => IpvsError::Unavailable(other.to_string()),
+        })?;
         let transport = Transport::open(NETLINK_GENERIC)?;
         transport.size_buffers(8 << 20, 8 << 20)?;
         Ok(Self {
