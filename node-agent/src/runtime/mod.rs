@@ -317,7 +317,8 @@ impl SyncLoop {
     ) -> Result<Driver> {
         self.takeover.after_sync(&d, &self.shared).await?;
         let supported = &self.config.capabilities.supported_modes;
-        let (mut d, again) = step::step(&self.client, d, supported, wish, snapshot).await?;
+        let named = lock(&self.shared.tracker).proxy_name().is_some();
+        let (mut d, again) = step::step(&self.client, d, supported, wish, snapshot, named).await?;
         if again {
             self.runner.again();
         }

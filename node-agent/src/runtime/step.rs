@@ -11,16 +11,17 @@ use super::{intake::Wish, on_blocking_thread};
 use crate::{Result, driver::Driver, model::DualSnapshot, model::ServiceName};
 
 /// Runs one step of the switch; the driver comes back with whether another step should follow
-/// at once.
+/// at once. `named`: a service-proxy-name filter is in force.
 pub(super) async fn step(
     client: &Client,
     driver: Driver,
     supported: &[ProxyMode],
     wish: &Wish,
     snapshot: &Arc<DualSnapshot>,
+    named: bool,
 ) -> Result<(Driver, bool)> {
     let targets = if driver.switching() {
-        probe_targets(client, &wish.probes).await
+        probe_targets(client, &wish.probes, implicit_target(snapshot, named)).await
     } else {
         Vec::new()
     };
@@ -56,13 +57,32 @@ fn selector_query(sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSel
         .join(",")
 }
 
-/// Resolves the gate's probe targets to Service names: `default/kubernetes` always, named ones,
-/// and label-selected ones (listed from the API).
-async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceName> {
-    let mut out = vec![ServiceName {
+/// The target every gate probes, `default/kubernetes`, unless a service-proxy-name filter leaves
+/// it to another proxy (this one does not serve it, so it could never pass through it; a switch
+/// to settings with `serviceProxyName` would always fail).
+fn implicit_target(snapshot: &DualSnapshot, named: bool) -> Option<ServiceName> {
+    let kubernetes = ServiceName {
         namespace: "default".into(),
         name: "kubernetes".into(),
-    }];
+    };
+    let served = || {
+        snapshot
+            .families()
+            .into_iter()
+            .flat_map(|s| s.services.values())
+            .any(|p| p.name.service == kubernetes)
+    };
+    (!named || served()).then_some(kubernetes)
+}
+
+/// Resolves the gate's probe targets to Service names: `implicit` (`default/kubernetes`), named
+/// ones, and label-selected ones (listed from the API).
+async fn probe_targets(
+    client: &Client,
+    probes: &[ProbeTarget],
+    implicit: Option<ServiceName>,
+) -> Vec<ServiceName> {
+    let mut out: Vec<ServiceName> = implicit.into_iter().collect();
     for p in probes {
         if let Some(name) = &p.name {
             out.push(ServiceName {
@@ -88,6 +108,14 @@ async fn probe_targets(client: &Client, probes: &[ProbeTarget]) -> Vec<ServiceNa
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_implicit_target_is_left_out_only_when_a_proxy_name_filters_it() {
+        let empty = DualSnapshot::default();
+        let kubernetes = implicit_target(&empty, false).map(|t| t.to_string());
+        assert_eq!(kubernetes.as_deref(), Some("default/kubernetes"));
+        assert_eq!(implicit_target(&empty, true), None);
+    }
 
     #[test]
     fn selectors_become_label_queries() {
