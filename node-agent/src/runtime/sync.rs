@@ -14,7 +14,7 @@ use crate::{
     driver::Driver,
     health::{HealthCheckPorts, ServiceHealthServers},
     metrics::{Metrics, ModeLabel, TrafficPolicy},
-    model::{Changes, DualSnapshot, categorize},
+    model::{Changes, DualSnapshot, ServicePort, categorize},
 };
 
 /// What a successful sync did.
@@ -131,10 +131,14 @@ fn health_check_ports(snapshot: &DualSnapshot, settings: &Settings) -> HealthChe
 
 fn no_local_endpoints(snapshot: &DualSnapshot, settings: &Settings, metrics: &Metrics) {
     let (mut internal, mut external) = (0i64, 0i64);
+    // Only Services with a Local policy count; skipping the others first keeps the walk free of
+    // endpoint lookups (this runs after every sync).
+    let counted =
+        |p: &&ServicePort| p.internal_policy_local || (p.external_policy_local && p.externally_accessible());
     for (snapshot, p) in snapshot
         .families()
         .into_iter()
-        .flat_map(|s| s.services.values().map(move |p| (s, p)))
+        .flat_map(|s| s.services.values().filter(counted).map(move |p| (s, p)))
     {
         let eps = snapshot
             .endpoints
