@@ -2,8 +2,9 @@
 //! settings behind the health gate, like a mode. When the token's switch starts, the settings that
 //! ran before it are remembered (in `settings.json` next to the state file, so a restart does not
 //! forget them); when the switch fails its gate (RolledBack, or Failed) they are put back and kept
-//! as long as the spec asks for that token; when it succeeds they are forgotten. A spec without a
-//! token (no policy governs the node) is taken as it comes.
+//! while the spec asks for that token, or asks for nothing (the operator withdrew the ask of a
+//! node that waits); when it succeeds they are forgotten. Any other spec without a token (no
+//! policy governs the node) is taken as it comes.
 //!
 //! The switch machine starts a switch for a new token with the mode the node runs only when the
 //! settings change ([`crate::switch::GateProgress::settings_changed`]): a settings switch.
@@ -66,6 +67,15 @@ impl Memory {
         sw: SwitchView<'_>,
     ) -> InForce {
         let Some(token) = token else {
+            // The ask withdrawn after a failed switch: the settings put back stay.
+            let kept = self
+                .before
+                .as_ref()
+                .filter(|b| sw.answered == Some(b.token.as_str()) && !succeeded(&sw, &b.token))
+                .map(|b| b.settings.clone());
+            if let Some(settings) = kept {
+                return self.run(settings, false);
+            }
             self.before = None;
             return self.run(spec.cloned(), false);
         };
@@ -88,10 +98,7 @@ impl Memory {
         if sw.switching || sw.answered != Some(token) {
             return self.run(spec.cloned(), changed);
         }
-        let succeeded = sw
-            .last
-            .is_some_and(|(t, outcome)| t == Some(token) && *outcome == SwitchOutcome::Succeeded);
-        if succeeded {
+        if succeeded(&sw, token) {
             self.before = None;
             return self.run(spec.cloned(), false);
         }
@@ -104,6 +111,12 @@ impl Memory {
         self.ran.clone_from(&settings);
         InForce { settings, changed }
     }
+}
+
+/// The driver's last finished switch answered `token` and succeeded.
+fn succeeded(sw: &SwitchView<'_>, token: &str) -> bool {
+    sw.last
+        .is_some_and(|(t, outcome)| t == Some(token) && *outcome == SwitchOutcome::Succeeded)
 }
 
 /// The keeper's file: `settings.json` in the state directory.
@@ -238,6 +251,14 @@ mod tests {
                 view(false, Some("g2"), Some(("g2", &RolledBack))),
                 Some(&old),
                 true,
+            ),
+            (
+                "the ask withdrawn (node waits): still kept",
+                Some(&new),
+                None,
+                view(false, Some("g2"), Some(("g2", &RolledBack))),
+                Some(&old),
+                false,
             ),
             (
                 "g3 asks again: from the old ones",

@@ -254,13 +254,17 @@ fn reported<'a>(
         return v;
     }
     let mut released = release.releases(target);
-    let answered = released
-        && r.last
-            .is_some_and(|l| l.rollout_token.is_some() && l.rollout_token == release.token);
+    let answers_spec = r
+        .last
+        .is_some_and(|l| l.rollout_token.is_some() && l.rollout_token == release.token);
+    let answered = released && answers_spec;
     let outcome = r.last.map(SwitchResult::outcome);
-    if answered && let Some(o) = outcome.as_ref().filter(|o| o.is_failure()) {
-        // The agent put back the settings it ran before: the spec's are not in force.
+    if answers_spec && outcome.as_ref().is_some_and(SwitchOutcome::is_failure) {
+        // The agent put back the settings it ran before (and keeps them while the spec carries
+        // that token, also once its ask is withdrawn): the spec's are not in force.
         v.settings_pending = true;
+    }
+    if answered && let Some(o) = outcome.as_ref().filter(|o| o.is_failure()) {
         if release.of_generation(p.generation) {
             v.state = NodeState::Failed;
             v.available = r.serving;
@@ -553,6 +557,17 @@ mod tests {
                 NodeState::Failed,
                 true,
                 None,
+            ),
+            (
+                "its ask withdrawn after that: still pending (the agent kept the old settings)",
+                {
+                    let mut np = new_settings(answered(NFT, "pool-g1-settings-nftables", NFT, "RolledBack"));
+                    np.spec.desired_mode = None;
+                    np
+                },
+                NodeState::Pending,
+                true,
+                Some(1),
             ),
             (
                 "settings switch rolled back under an older generation: pending again",

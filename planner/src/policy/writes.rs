@@ -59,9 +59,13 @@ fn desired_spec(
             policy: Some(reference.clone()),
             ..v.np?.spec.clone()
         },
+        // Failed under this generation: its release stays, the policy's budget counts it.
+        (NodeState::Failed, Some(t)) => {
+            release(t, v.token.clone().unwrap_or_else(|| switch_token(&p.name, g, t)))
+        }
         // Other settings than the policy's reach a node only when it is admitted.
         _ if v.settings_pending && !admit => held(p, reference, v),
-        (NodeState::Healthy | NodeState::Unhealthy | NodeState::Switching | NodeState::Failed, Some(t)) => {
+        (NodeState::Healthy | NodeState::Unhealthy | NodeState::Switching, Some(t)) => {
             release(t, v.token.clone().unwrap_or_else(|| switch_token(&p.name, g, t)))
         }
         (NodeState::Unknown, Some(t)) if v.token.is_some() => release(t, v.token.clone().unwrap_or_default()),
@@ -73,11 +77,12 @@ fn desired_spec(
 }
 
 /// The spec of a node that waits (for its wave, or for a mode it can run): it keeps what it runs.
-/// A spec its agent has answered, that asks for the mode it runs, or a release still valid (a
-/// switch under way finishes with the settings it started with) stays as it is (a settings
-/// switch whose gate failed keeps its answered token, so the agent keeps the settings it put
-/// back); any other ask is withdrawn, its settings kept. The reference names the generation whose
-/// settings the spec carries: this one when they are the policy's, else the one it had.
+/// A spec that asks for the mode it runs, or a release still valid (a switch under way finishes
+/// with the settings it started with), stays as it is. Any other ask is withdrawn (without one
+/// the agent reports healthy, so the node may be admitted again), its settings kept; a switch that
+/// failed keeps its answered token, the mark that its agent put the settings from before back
+/// (and keeps them). The reference names the generation whose settings the spec carries: this
+/// one when they are the policy's, else the one it had.
 fn held(p: &PolicyInput, reference: &PolicyReference, v: &View<'_>) -> NodeProxySpec {
     let Some(np) = v.np else {
         return NodeProxySpec {
@@ -96,13 +101,13 @@ fn held(p: &PolicyInput, reference: &PolicyReference, v: &View<'_>) -> NodeProxy
         reference.clone()
     };
     let status = np.status.as_ref();
-    let runs_it =
-        current.desired_mode.is_some() && current.desired_mode == status.and_then(|s| s.active_mode);
-    let answered = current.rollout_token.is_some()
+    let refused = current.rollout_token.is_some()
         && status
             .and_then(|s| s.last_switch.as_ref())
-            .is_some_and(|l| l.rollout_token == current.rollout_token);
-    if runs_it || answered || v.token.is_some() {
+            .is_some_and(|l| l.rollout_token == current.rollout_token && l.outcome().is_failure());
+    let runs_it =
+        current.desired_mode.is_some() && current.desired_mode == status.and_then(|s| s.active_mode);
+    if (runs_it && !refused) || v.token.is_some() {
         return NodeProxySpec {
             policy: Some(policy),
             ..current.clone()
@@ -111,6 +116,7 @@ fn held(p: &PolicyInput, reference: &PolicyReference, v: &View<'_>) -> NodeProxy
     NodeProxySpec {
         policy: Some(policy),
         proxy: current.proxy.clone(),
+        rollout_token: current.rollout_token.clone().filter(|_| refused),
         ..Default::default()
     }
 }
@@ -143,6 +149,10 @@ mod tests {
         let old = Some(serde_json::from_value(serde_json::json!({"masqueradeAll": false})).unwrap());
         let on_old = |mut np: NodeProxyInput| {
             np.spec.proxy.clone_from(&old);
+            np
+        };
+        let new_settings = |mut np: NodeProxyInput| {
+            np.spec.proxy.clone_from(&p.spec.proxy);
             np
         };
         // (case, NodeProxy, admit, expected: None = no write, else (mode, token, settings are new))
@@ -178,6 +188,24 @@ mod tests {
                 Some((Some(NFT), Some("pool-g2-nftables"), true)),
             ),
             (
+                "a settings switch failed under an older generation, held: the ask withdrawn, the mark kept",
+                new_settings(answered(NFT, "pool-g1-settings-nftables", NFT, "RolledBack")),
+                false,
+                Some((None, Some("pool-g1-settings-nftables"), true)),
+            ),
+            (
+                "and admitted: a new settings switch",
+                new_settings(answered(NFT, "pool-g1-settings-nftables", NFT, "RolledBack")),
+                true,
+                Some((Some(NFT), Some("pool-g2-settings-nftables"), true)),
+            ),
+            (
+                "a mode switch failed under an older generation, held: the ask withdrawn (its agent reports healthy again)",
+                new_settings(answered(IPT, "pool-g1-nftables", IPT, "RolledBack")),
+                false,
+                Some((None, Some("pool-g1-nftables"), true)),
+            ),
+            (
                 "switching its mode under older settings: keeps them until answered",
                 on_old(NodeProxyInput {
                     spec: released(NFT, "pool-g1-nftables"),
@@ -208,7 +236,10 @@ mod tests {
             });
             assert_eq!(got, want, "{name}");
             if let Some(w) = written.first().filter(|_| !admit) {
-                assert_eq!(w.spec.proxy, old, "{name}: a held node keeps its settings");
+                assert_eq!(
+                    w.spec.proxy, np.spec.proxy,
+                    "{name}: a held node keeps its settings"
+                );
             }
         }
     }
