@@ -23,6 +23,27 @@ pub fn in_netns(netns: &str, args: &[&str]) -> Result<String> {
     run("nsenter", &full)
 }
 
+/// The elements with `keys` of Switchyard's IPv4 nft map `map` in `netns` (one netlink
+/// `GETSETELEM` from a thread inside it; no `nft` process, no listing); `None` when any is missing.
+pub fn nft_elements_in_netns(
+    netns: &str,
+    map: &str,
+    keys: &[switchyard_agent::sys::nft::ir::Key],
+) -> Result<Option<Vec<Vec<u8>>>> {
+    let path = format!("/run/netns/{netns}");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let ns = File::open(&path).map_err(io_err(format!("open {path}")))?;
+            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET)
+                .map_err(|e| Error::Prerequisite(format!("setns {netns}: {e}")))?;
+            switchyard_agent::sys::nft::get_elements(switchyard_agent::model::IpFamily::V4, map, keys)
+                .map_err(|e| Error::Prerequisite(format!("nft get elements {map} in {netns}: {e}")))
+        })
+        .join()
+        .map_err(|_| Error::Prerequisite(format!("nft element query thread in {netns} panicked")))?
+    })
+}
+
 /// A process's resident set and CPU time (its own and its waited-for children's: kube-proxy and
 /// the iptables backends run `iptables-restore`).
 #[derive(Debug, Clone, Copy, Default)]

@@ -484,3 +484,51 @@ fn kernel_lists_the_localhost_rules_as_rendered() {
     let _ = std::fs::remove_file(&script);
     assert_eq!(listed, list(&oracle, IpFamily::V4));
 }
+
+/// One element query answers with exactly the DNAT targets the render put in an endpoint map,
+/// and says when an element is missing (root; the API benchmark polls the kernel with it).
+#[test]
+fn kernel_answers_an_element_query_with_the_rendered_targets() {
+    let (dual, settings) = dual_scenario();
+    let snap = &dual.v4;
+    let dns = snap
+        .services
+        .keys()
+        .find(|k| k.service.name == "dns")
+        .expect("dns");
+    let frag = render::service(&snap.services[dns], &snap.endpoints[dns], &settings);
+    let slots: Vec<(String, ir::Key, (std::net::IpAddr, u16))> = frag
+        .elements
+        .iter()
+        .filter_map(|(set, e)| {
+            let target = e.dnat?;
+            Some((render::element_set(set, &e.key).into_owned(), e.key.clone(), target))
+        })
+        .collect();
+    assert_eq!(slots.len(), 3, "{slots:?}");
+    let map = slots[0].0.clone();
+    let keys: Vec<ir::Key> = slots.iter().map(|(_, k, _)| k.clone()).collect();
+    let ns = TestNetns::new("nft-get");
+    let (found, missing) = ns.run(|| {
+        Nftables::with_adapter(settings.clone(), KernelNft::default())
+            .sync(&dual, &crate::model::Changes::default(), true)
+            .expect("full sync");
+        let found = crate::sys::nft::get_elements(IpFamily::V4, &map, &keys).expect("query");
+        let mut absent = keys.clone();
+        if let ir::Key::AddrProtoPortSlot(_, _, port, _) = &mut absent[0] {
+            *port += 1;
+        }
+        let missing = crate::sys::nft::get_elements(IpFamily::V4, &map, &absent).expect("query");
+        (found, missing)
+    });
+    let found = found.expect("every rendered element is in the kernel");
+    assert_eq!(found.len(), 3, "one answer per element");
+    for (_, _, (ip, port)) in &slots {
+        let value = crate::sys::nft::codec::dnat_value_bytes(ip, *port);
+        assert!(
+            found.iter().any(|p| p.windows(value.len()).any(|w| w == value)),
+            "{ip}:{port} in the answer"
+        );
+    }
+    assert_eq!(missing, None, "a key that is not in the map");
+}

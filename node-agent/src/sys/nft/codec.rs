@@ -49,6 +49,8 @@ pub enum Msg {
     DelSet = 11,
     /// NFT_MSG_NEWSETELEM.
     NewSetElem = 12,
+    /// NFT_MSG_GETSETELEM.
+    GetSetElem = 13,
     /// NFT_MSG_DELSETELEM.
     DelSetElem = 14,
 }
@@ -369,6 +371,23 @@ pub fn dump_request(family: IpFamily, msg: Msg, seq: u32) -> Vec<u8> {
     let len = b.len() as u32;
     b[0..4].copy_from_slice(&len.to_ne_bytes());
     b
+}
+
+/// A `GETSETELEM` request (not a dump) for the elements with `keys` of our set `set`: the kernel
+/// answers one `NEWSETELEM` per element with its value, or `ENOENT` when any is missing.
+pub fn get_elements_request(family: IpFamily, set: &str, keys: &[Key], seq: u32) -> Vec<u8> {
+    let mut list = Nla::default();
+    for key in keys {
+        list = list.nest(1, Nla::default().nest(1, Nla::default().put(1, &key_bytes(key))));
+    }
+    let attrs = Nla::default().str(1, TABLE).str(2, set).nest(3, list);
+    message(family, Msg::GetSetElem, NLM_F_ACK, seq, attrs)
+}
+
+/// The value bytes of a DNAT target (`ip daddr . th dport`) as an endpoint map stores them.
+pub fn dnat_value_bytes(addr: &IpAddr, port: u16) -> Vec<u8> {
+    let port = port.to_be_bytes();
+    [octets(addr), vec![port[0], port[1], 0, 0]].concat()
 }
 
 /// A `GETTABLE` request for our table of `family` (answers ENOENT when it does not exist).

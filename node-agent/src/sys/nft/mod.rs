@@ -233,6 +233,25 @@ pub fn rules_contain(family: IpFamily, needle: &[u8]) -> Result<bool> {
         .any(|r| r.payload.windows(needle.len()).any(|w| w == needle)))
 }
 
+/// The elements with `keys` of our set or map `set`, as the kernel answers a `GETSETELEM` for
+/// them (one payload per element, its key and value attributes inside); `None` when any of them
+/// is missing (or the set is). One request, no listing of the table: it costs the same at any
+/// table size (the API benchmark polls with it).
+pub fn get_elements(family: IpFamily, set: &str, keys: &[ir::Key]) -> Result<Option<Vec<Vec<u8>>>> {
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let replies = transport.request(&codec::get_elements_request(family, set, keys, 1), &[1])?;
+    if replies.iter().any(|r| r.error.is_some_and(|e| e != 0)) {
+        return Ok(None);
+    }
+    Ok(Some(
+        replies
+            .into_iter()
+            .filter(|r| r.error.is_none())
+            .map(|r| r.payload)
+            .collect(),
+    ))
+}
+
 /// Whether our table of `family` exists.
 pub fn table_exists(family: IpFamily) -> Result<bool> {
     let transport = Transport::open(NETLINK_NETFILTER)?;
