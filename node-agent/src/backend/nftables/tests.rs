@@ -502,7 +502,11 @@ fn kernel_answers_an_element_query_with_the_rendered_targets() {
         .iter()
         .filter_map(|(set, e)| {
             let target = e.dnat?;
-            Some((render::element_set(set, &e.key).into_owned(), e.key.clone(), target))
+            Some((
+                render::element_set(set, &e.key).into_owned(),
+                e.key.clone(),
+                target,
+            ))
         })
         .collect();
     assert_eq!(slots.len(), 3, "{slots:?}");
