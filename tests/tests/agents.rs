@@ -65,9 +65,10 @@ async fn agents_register_capabilities_and_are_confined_to_their_node() {
             caps.ipvs
         );
         assert!(caps.ipset.usable);
+        // No IPVS here; `external` (another service proxy serves the node) is always possible.
         assert_eq!(
             caps.supported_modes,
-            vec![ProxyMode::Iptables, ProxyMode::Nftables]
+            vec![ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::External]
         );
         assert!(caps.iptables_variant.is_some());
         // Owned by its Node, with an empty spec: the agent never writes spec.
@@ -111,7 +112,7 @@ async fn agents_register_capabilities_and_are_confined_to_their_node() {
         "{wide}"
     );
     assert!(
-        wide.contains("Initializing") && wide.contains("[\"iptables\",\"nftables\"]"),
+        wide.contains("Initializing") && wide.contains("[\"iptables\",\"nftables\",\"external\"]"),
         "{wide}"
     );
     println!("{wide}");
