@@ -34,8 +34,9 @@ pub fn wants_external_label(np: &NodeProxyInput) -> bool {
 }
 
 /// The label changes that bring every Node in line with its NodeProxy, sorted by node name. A
-/// Node without a NodeProxy keeps its label as it is (nobody asked anything of it), and a label
-/// with another value is left alone (someone else's).
+/// Node without a NodeProxy keeps its label as it is (nobody asked anything of it). A label with
+/// another value is never removed (someone else's), but a node handed to the other proxy gets
+/// `external` over it: the other proxy's DaemonSet must select the node.
 pub fn label_changes(nodes: &[NodeInput], proxies: &[NodeProxyInput]) -> Vec<LabelChange> {
     let by_name: HashMap<&str, &NodeProxyInput> = proxies.iter().map(|p| (p.name.as_str(), p)).collect();
     let mut changes: Vec<LabelChange> = nodes

@@ -214,13 +214,16 @@ async fn paused_nodes_keep_the_old_settings(env: &TestEnv) {
         env.cluster.nodes[0].netns.clone(),
         env.cluster.nodes[1].netns.clone(),
     );
-    let soak = 8;
+    // Long enough for the pause to land while wave first soaks, on a loaded machine (the pause
+    // is one apply and one reconcile), short enough to wait out.
+    let soak = 20;
     apply_policy(env, spec(42, soak, false, json!([])));
     until_kernel(env, 0, 42, "node-1 (wave first) takes the new settings").await;
     until_policy(env, "wave first done, soaking", |p| {
         wave_state(p, "first") == "Soaking"
     })
     .await;
+    let soaking_seen = Instant::now();
     assert_eq!(
         udp_timeout(&n2),
         "41",
@@ -231,7 +234,14 @@ async fn paused_nodes_keep_the_old_settings(env: &TestEnv) {
     assert_eq!(settings_updated(&p), 1, "{:#?}", p.status);
     // Past the soak (which alone would release wave rest), node-2 keeps generation 1's settings.
     let paused_at = Instant::now();
-    throughout(Duration::from_secs(u64::from(soak) + 4), || async {
+    let soak_over = soaking_seen + Duration::from_secs(u64::from(soak) + 4);
+    let window = soak_over.saturating_duration_since(paused_at);
+    assert!(
+        window >= Duration::from_secs(4),
+        "the pause landed {:?} after wave first began to soak ({soak} s): too late to show it holds node-2",
+        paused_at - soaking_seen
+    );
+    throughout(window, || async {
         match (udp_timeout(&n1).as_str(), udp_timeout(&n2).as_str()) {
             ("42", "41") => Ok(()),
             other => Err(format!("paused: node-1 new, node-2 old settings, got {other:?}")),

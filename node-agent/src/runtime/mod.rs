@@ -227,6 +227,13 @@ impl SyncLoop {
         }
     }
 
+    /// Whether the settings of this round are the ones to run on: our NodeProxy has been listed,
+    /// or the first sync stopped waiting for it ([`SPEC_WAIT`]) and runs on the flags'.
+    fn settings_known(&self) -> bool {
+        self.shared.spec_listed.load(std::sync::atomic::Ordering::Relaxed)
+            || self.spec_deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
     /// Before the first sync: whether to wait (a while, or until a wake) for our NodeProxy to be
     /// listed; past [`SPEC_WAIT`] the first sync goes ahead with the flags' settings.
     async fn await_spec(&mut self) -> bool {
@@ -253,9 +260,10 @@ impl SyncLoop {
     /// Takes the settings that do not go to the backend: the sync pacing, the
     /// service-proxy-name filter (each logged when it changes), the conntrack sysctls and
     /// `route_localnet` (1 while `localhost` NodePorts are served); only once our NodeProxy has
-    /// been listed, so that a restart does not flap them to the flags'.
+    /// been listed (or the first sync stopped waiting for it), so that a restart does not flap
+    /// them to the flags'.
     fn take_settings(&mut self, effective: &Config, localhost: bool) {
-        if !self.shared.spec_listed.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.settings_known() {
             return;
         }
         for (kind, condition) in self

@@ -126,6 +126,8 @@ pub(super) struct ConntrackSysctls {
     refused: BTreeMap<Knob, String>,
     /// The last settings [`Self::gate_localhost`] handed on served localhost NodePorts.
     served: bool,
+    /// The last round wanted localhost NodePorts (whether or not they could be served).
+    wanted: bool,
 }
 
 /// The status conditions a pass changed, by type (`None`: no such condition any more).
@@ -142,6 +144,7 @@ impl ConntrackSysctls {
             replaced,
             refused: BTreeMap::new(),
             served: false,
+            wanted: false,
         }
     }
 
@@ -150,6 +153,7 @@ impl ConntrackSysctls {
     /// the data planes then refuse 127.0.0.1:<NodePort> at once instead of DNATing into a route
     /// the kernel drops.
     pub fn gate_localhost(&mut self, settings: &mut Settings, wanted: bool) {
+        self.wanted = wanted;
         self.served = wanted && self.route_localnet_set();
         if !self.served {
             settings.localhost_node_ports = false;
@@ -170,9 +174,11 @@ impl ConntrackSysctls {
     }
 
     /// Whether `route_localnet` is still held for rules that the round just synced has removed:
-    /// the next pass puts it back, so another round should follow soon.
+    /// the next pass puts it back, so another round should follow soon. Not while the rules
+    /// still want it (a `route_localnet` the kernel refused stays asked for: no release is due,
+    /// and asking for another round each time would loop).
     pub fn release_pending(&self) -> bool {
-        !self.served && self.route_localnet_asked()
+        !self.wanted && self.route_localnet_asked()
     }
 
     /// Brings the sysctls to what `settings` ask for, with `route_localnet=1` when `localhost`
@@ -392,6 +398,10 @@ mod tests {
         let mut gated = nft_on.clone();
         sysctls.gate_localhost(&mut gated, true);
         assert!(!gated.nftables_localhost_node_ports, "refused: not served");
+        assert!(
+            !sysctls.release_pending(),
+            "refused but still wanted: no release due (another round would change nothing)"
+        );
 
         let c = localnet_condition(true, &sysctls.refused).expect("a condition");
         assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "NotWritable"));
