@@ -354,6 +354,15 @@ impl ControlPlane {
         }
     }
 
+    /// Server-side applies one object given as JSON (`--force-conflicts`: the test owns every
+    /// field it writes, as a user re-applying their manifest does).
+    pub fn apply_json(&self, object: &serde_json::Value) -> Result<String> {
+        self.kubectl_ok(
+            &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+            Some(&object.to_string()),
+        )
+    }
+
     /// Installs the CRDs from the kustomize base `config/crd` (its `Kustomization`) and waits until
     /// they are established.
     pub fn install_crds(&self) -> Result<()> {

@@ -84,12 +84,7 @@ fn apply_policy(env: &TestEnv, mode: &str, proxy: Option<Value>) {
     }
     let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "ProxyPolicy",
         "metadata": {"name": "localhost"}, "spec": spec});
-    env.cp
-        .kubectl_ok(
-            &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-            Some(&body.to_string()),
-        )
-        .expect("apply policy");
+    env.cp.apply_json(&body).expect("apply policy");
 }
 
 /// Waits until the NodeProxy spec's `localhostNodePorts` is `value`.

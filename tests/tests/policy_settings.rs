@@ -62,12 +62,7 @@ fn apply_policy(env: &TestEnv, proxy: Option<Value>) {
     }
     let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "ProxyPolicy",
         "metadata": {"name": "settings"}, "spec": spec});
-    env.cp
-        .kubectl_ok(
-            &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-            Some(&body.to_string()),
-        )
-        .expect("apply policy");
+    env.cp.apply_json(&body).expect("apply policy");
 }
 
 /// Which of the two ClusterIPs the node's nftables ruleset holds (a failed listing fails).

@@ -60,12 +60,7 @@ fn spec(udp: u32, soak: u32, paused: bool, probes: Value) -> Value {
 fn apply_policy(env: &TestEnv, spec: Value) {
     let body = json!({"apiVersion": "switchyard.dev/v1alpha1", "kind": "ProxyPolicy",
         "metadata": {"name": POLICY}, "spec": spec});
-    env.cp
-        .kubectl_ok(
-            &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-            Some(&body.to_string()),
-        )
-        .expect("apply policy");
+    env.cp.apply_json(&body).expect("apply policy");
 }
 
 /// Every agent's log, for a failure message.
