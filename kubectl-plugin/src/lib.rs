@@ -4,6 +4,8 @@
 //!   cluster's Nodes, NodeProxies and ProxyPolicies (optionally with a policy from a file in place of
 //!   the cluster's copy) and shows the waves and nodes the operator will use;
 //! - `status` shows a policy's status: phase, counters, waves and conditions;
+//! - `advise` shows the mode advisor's recommendation per node with its figures, and the pool's
+//!   summary ([`advise`]);
 //! - `approve`, `pause`, `resume` and `rollback` write the annotations and patches the operator
 //!   honours (approval `approve.switchyard.dev/<wave>: "<generation>"`, `spec.rollout.paused`, and
 //!   [`ROLLBACK_ANNOTATION`]).
@@ -24,6 +26,8 @@ use switchyard_crds::{
 use switchyard_planner::{self as planner, APPROVE_PREFIX, NodeInput, NodeProxyInput, PolicyInput};
 
 pub use switchyard_planner::ROLLBACK_ANNOTATION;
+
+pub mod advise;
 
 /// Errors of the plugin.
 #[derive(Debug, thiserror::Error)]

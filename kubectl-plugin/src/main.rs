@@ -85,6 +85,15 @@ enum Command {
         /// Policy name.
         name: String,
     },
+    /// Show the mode advisor's recommendation for each node (a policy's, or every node) with
+    /// the figures it used, and the summary over them. Changes nothing.
+    Advise {
+        /// Policy whose nodes to show (omit for every node).
+        name: Option<String>,
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value = "table")]
+        output: Output,
+    },
 }
 
 #[tokio::main]
@@ -175,7 +184,32 @@ async fn run(args: Args) -> Result<()> {
         }
         Command::Resume { name } => resume(&policies, &name).await,
         Command::Rollback { name } => rollback(&policies, &name).await,
+        Command::Advise { name, output } => advise(&client, &policies, name, output).await,
     }
+}
+
+/// `advise`: the agents' recommendations from the NodeProxies, summed as the operator sums them.
+async fn advise(
+    client: &Client,
+    policies: &Api<ProxyPolicy>,
+    name: Option<String>,
+    output: Output,
+) -> Result<()> {
+    let policy = match &name {
+        Some(n) => Some(get_policy(policies, n).await?),
+        None => None,
+    };
+    let proxies = list(&Api::<NodeProxy>::all(client.clone()), "nodeproxies").await?;
+    let report = kubectl_switchyard::advise::advise_report(policy.as_ref(), &proxies);
+    match output {
+        Output::Json => {
+            let text =
+                serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(format!("json: {e}")))?;
+            println!("{text}");
+        }
+        Output::Table => print!("{}", kubectl_switchyard::advise::render_advice(&report)),
+    }
+    Ok(())
 }
 
 async fn list<K>(api: &Api<K>, what: &str) -> Result<Vec<K>>

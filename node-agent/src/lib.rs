@@ -12,6 +12,7 @@ pub mod backend;
 pub mod conntrack;
 pub mod driver;
 pub mod health;
+pub mod measurements;
 pub mod metrics;
 pub mod model;
 pub mod node_sysctls;

@@ -33,6 +33,7 @@
 //! recorded it complete for this generation and none of its nodes still needs a switch).
 #![cfg_attr(not(test), warn(clippy::too_many_lines))]
 
+pub mod advisor;
 pub mod labels;
 pub mod lifecycle;
 mod policy;
@@ -405,7 +406,16 @@ pub fn plan(
     let mut out: Vec<PolicyPlan> = policies
         .iter()
         .enumerate()
-        .map(|(i, p)| policy::plan_policy(p, &governed[i], &by_name, &lost[i], now))
+        .map(|(i, p)| {
+            let mut plan = policy::plan_policy(p, &governed[i], &by_name, &lost[i], now);
+            // The mode advisor's summary of the agents' recommendations for the pool.
+            let advice = governed[i].iter().map(|n| {
+                let status = by_name.get(n.name.as_str()).and_then(|np| np.status.as_ref());
+                status.and_then(|s| s.advice.as_ref())
+            });
+            plan.status.advice = Some(advisor::pool_advice(advice));
+            plan
+        })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Plan { policies: out }

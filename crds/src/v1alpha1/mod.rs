@@ -1,10 +1,12 @@
 //! `switchyard.dev/v1alpha1`: ProxyPolicy, NodeProxy and the types they share.
 
+mod advice;
 mod common;
 mod node_proxy;
 mod proxy_policy;
 mod switch_outcome;
 
+pub use advice::*;
 pub use common::*;
 pub use node_proxy::*;
 pub use proxy_policy::*;

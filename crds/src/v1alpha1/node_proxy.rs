@@ -261,6 +261,13 @@ pub struct NodeProxyStatus {
     /// Statistics of the last rules sync.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sync: Option<SyncStats>,
+    /// Sync durations over a recent window of syncs and the size of what is programmed,
+    /// refreshed about once a minute (the mode advisor's input).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measurements: Option<super::SyncMeasurements>,
+    /// The mode advisor's recommendation for this node, from `measurements` and `capabilities`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advice: Option<super::ModeAdvice>,
     /// `Healthy`: True while the node runs its desired mode and the last switch for the current
     /// rollout token passed its health gate; False with the reason (`Switching`, `RolledBack`,
     /// `Failed`) otherwise.

@@ -370,4 +370,8 @@ pub struct ProxyPolicyStatus {
     /// Every wave with its nodes and state: the plan, also while paused (dry run).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub waves: Vec<WaveStatus>,
+    /// The mode advisor's summary over the governed nodes: how many nodes each recommendation
+    /// got, and the largest figures (`kubectl switchyard advise NAME` shows every node's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advice: Option<super::PoolAdvice>,
 }

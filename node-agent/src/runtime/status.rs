@@ -17,6 +17,7 @@ use crate::{
     Error, Result,
     backend::SyncStats,
     driver::{Driver, Finished, StateProblem},
+    measurements::{Measurer, SyncFigures},
     model::DualSnapshot,
     report,
 };
@@ -161,6 +162,9 @@ pub(super) fn status(
         last_switch: driver.last.as_ref().map(last_switch),
         probes: driver.probes.clone(),
         sync: sync.map(sync_status),
+        // The mode advisor's, laid over by the reporter (published at its own pace).
+        measurements: None,
+        advice: None,
         conditions,
     }
 }
@@ -211,6 +215,8 @@ pub(super) struct StatusReporter {
     extra: Vec<Condition>,
     /// `extra` changed since the last report.
     extra_dirty: bool,
+    /// The mode advisor's sync window and what it published.
+    measurer: Measurer,
 }
 
 impl StatusReporter {
@@ -226,6 +232,7 @@ impl StatusReporter {
             prior_loaded: false,
             extra: Vec::new(),
             extra_dirty: false,
+            measurer: Measurer::default(),
         }
     }
 
@@ -281,11 +288,28 @@ impl StatusReporter {
     /// (our NodeProxy was gone and has been registered again).
     pub async fn report(&mut self, d: &mut Driver, wish: &Wish, sync: LastSync<'_>) -> bool {
         self.announce(d.state_problem.clone().as_ref()).await;
+        let figures = SyncFigures::of(
+            d.state.active,
+            sync.took,
+            sync.stats.full,
+            sync.stats.rules_total,
+            sync.snapshot,
+        );
+        let advised = self.measurer.record(
+            figures,
+            &self.capabilities,
+            Instant::now(),
+            k8s_openapi::jiff::Timestamp::now(),
+        );
         let due = self.last_report.is_none_or(|t| t.elapsed() > REPORT_EVERY);
-        if !(d.dirty || due || self.extra_dirty) || !self.load_prior(d).await {
+        if !(d.dirty || due || self.extra_dirty || advised) || !self.load_prior(d).await {
             return false;
         }
         let mut status = status(&self.capabilities, d, Some(sync), wish, &self.reported_conditions);
+        if let Some((measurements, advice)) = self.measurer.published() {
+            status.measurements = Some(measurements.clone());
+            status.advice = Some(advice.clone());
+        }
         for c in &self.extra {
             let mut c = c.clone();
             c.observed_generation = wish.generation;

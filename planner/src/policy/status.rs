@@ -51,6 +51,8 @@ impl Summary {
             settings_updated_nodes: self.settings_updated_nodes,
             current_wave: self.current_wave.clone(),
             waves: self.waves.clone(),
+            // Set by `plan` over the pool (the advisor is not a stage of the rollout).
+            advice: None,
         }
     }
 }
