@@ -207,6 +207,7 @@ fn runtime_config(
         nftables_localhost_node_ports: args.nftables_localhost_nodeports,
         service_cidrs: cidrs(&args.service_cidr),
         conntrack: None,
+        ipvs: None,
     })
 }
 

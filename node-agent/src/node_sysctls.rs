@@ -1,5 +1,6 @@
-//! The node's connection-tracking sysctls a ProxyPolicy's `proxy.conntrack` asks for, and
-//! `route_localnet` that localhost NodePorts need: which values to write, and which to put back
+//! The node's connection-tracking sysctls a ProxyPolicy's `proxy.conntrack` asks for,
+//! `route_localnet` that localhost NodePorts need, and IPVS mode's `strictARP` (`arp_ignore=1`,
+//! `arp_announce=2`, as kube-proxy writes them): which values to write, and which to put back
 //! when nothing asks any more (hand-back, cleanup, a field removed, localhost NodePorts turned
 //! off). Pure: the caller reads the current values and performs the writes.
 //!
@@ -36,11 +37,15 @@ pub enum Knob {
     /// `net.ipv4.conf.all.route_localnet`: 1 while a data plane serves NodePorts on 127.0.0.1
     /// (see [`with_route_localnet`]).
     RouteLocalnet,
+    /// `net.ipv4.conf.all.arp_ignore`: 1 while IPVS serves with strictARP (see [`with_strict_arp`]).
+    ArpIgnore,
+    /// `net.ipv4.conf.all.arp_announce`: 2 while IPVS serves with strictARP.
+    ArpAnnounce,
 }
 
 impl Knob {
     /// Every knob, in the order they are written.
-    pub const ALL: [Knob; 8] = [
+    pub const ALL: [Knob; 10] = [
         Knob::ConntrackMax,
         Knob::HashSize,
         Knob::TcpEstablishedTimeout,
@@ -49,11 +54,19 @@ impl Knob {
         Knob::UdpTimeout,
         Knob::UdpStreamTimeout,
         Knob::RouteLocalnet,
+        Knob::ArpIgnore,
+        Knob::ArpAnnounce,
     ];
 
-    /// The conntrack knobs (every one but [`Knob::RouteLocalnet`]).
+    /// The conntrack knobs (every one but [`Knob::RouteLocalnet`] and the strictARP ones).
     pub fn is_conntrack(self) -> bool {
-        self != Knob::RouteLocalnet
+        !self.is_data_plane()
+    }
+
+    /// The knobs a data plane needs rather than `proxy.conntrack` asks for: `route_localnet` and
+    /// the strictARP ones.
+    pub fn is_data_plane(self) -> bool {
+        matches!(self, Knob::RouteLocalnet | Knob::ArpIgnore | Knob::ArpAnnounce)
     }
 
     /// The file that holds the knob's value.
@@ -67,6 +80,8 @@ impl Knob {
             Knob::UdpTimeout => "/proc/sys/net/netfilter/nf_conntrack_udp_timeout",
             Knob::UdpStreamTimeout => "/proc/sys/net/netfilter/nf_conntrack_udp_timeout_stream",
             Knob::RouteLocalnet => "/proc/sys/net/ipv4/conf/all/route_localnet",
+            Knob::ArpIgnore => "/proc/sys/net/ipv4/conf/all/arp_ignore",
+            Knob::ArpAnnounce => "/proc/sys/net/ipv4/conf/all/arp_announce",
         }
     }
 
@@ -126,6 +141,17 @@ pub fn wanted(settings: Option<&ConntrackSettings>, cores: u32) -> Wanted {
 pub fn with_route_localnet(mut wanted: Wanted, localhost: bool) -> Wanted {
     if localhost {
         wanted.insert(Knob::RouteLocalnet, 1);
+    }
+    wanted
+}
+
+/// `wanted` plus `arp_ignore=1` and `arp_announce=2` when `strict_arp` (IPVS serves with
+/// strictARP, so the node does not answer ARP for the service addresses on its dummy link). As
+/// with `route_localnet`, the values the agent replaced are put back once IPVS no longer asks.
+pub fn with_strict_arp(mut wanted: Wanted, strict_arp: bool) -> Wanted {
+    if strict_arp {
+        wanted.insert(Knob::ArpIgnore, 1);
+        wanted.insert(Knob::ArpAnnounce, 2);
     }
     wanted
 }
@@ -369,6 +395,26 @@ mod tests {
         assert!(Knob::UdpTimeout.per_netns());
         assert!(Knob::RouteLocalnet.per_netns());
         assert!(!Knob::RouteLocalnet.is_conntrack());
+    }
+
+    /// strictARP: both knobs written and the node's values remembered; off, they come back (a
+    /// node already at the values keeps them and nothing is remembered).
+    #[test]
+    fn strict_arp_is_set_while_wanted_and_the_nodes_values_come_back() {
+        use Knob::{ArpAnnounce, ArpIgnore};
+        let want = with_strict_arp(Wanted::new(), true);
+        assert_eq!(want, map(&[(ArpIgnore, 1), (ArpAnnounce, 2)]));
+        assert!(with_strict_arp(Wanted::new(), false).is_empty());
+        assert!(!ArpIgnore.is_conntrack() && ArpAnnounce.is_data_plane());
+        let node = map(&[(ArpIgnore, 0), (ArpAnnounce, 1)]);
+        let on = plan(&want, &node, &Replaced::default());
+        assert_eq!(on.writes, vec![(ArpIgnore, 1), (ArpAnnounce, 2)]);
+        assert_eq!(on.replaced.0, node);
+        let off = restore(&want, &on.replaced);
+        assert_eq!(off.writes, vec![(ArpIgnore, 0), (ArpAnnounce, 1)]);
+        assert!(off.replaced.0.is_empty());
+        let kept = plan(&want, &want, &Replaced::default());
+        assert!(kept.writes.is_empty() && kept.replaced.0.is_empty());
     }
 
     #[test]

@@ -57,7 +57,8 @@ impl std::fmt::Display for ProxyMode {
     }
 }
 
-/// IPVS scheduling algorithm (see ipvsadm(8)).
+/// IPVS scheduling algorithm (see ipvsadm(8)): every scheduler of Linux. A node offers the ones its
+/// kernel has (NodeProxy `status.capabilities.ipvsSchedulers`).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum IpvsScheduler {
@@ -70,6 +71,10 @@ pub enum IpvsScheduler {
     Lc,
     /// Weighted least connection.
     Wlc,
+    /// Locality-based least connection.
+    Lblc,
+    /// Locality-based least connection with replication.
+    Lblcr,
     /// Source hashing: a client address always reaches the same real server.
     Sh,
     /// Destination hashing.
@@ -78,8 +83,15 @@ pub enum IpvsScheduler {
     Sed,
     /// Never queue.
     Nq,
+    /// Weighted failover: the available real server of highest weight.
+    Fo,
+    /// Weighted overflow: the real server of highest weight until its active connections exceed
+    /// its weight.
+    Ovf,
     /// Maglev hashing.
     Mh,
+    /// Weighted random twos choice (kernel 6.2 and later).
+    Twos,
 }
 
 /// Proxy settings: the KubeProxyConfiguration fields a Switchyard user needs. Every field is
@@ -152,7 +164,9 @@ pub struct ProxySettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conntrack: Option<ConntrackSettings>,
 
-    /// Settings used only in IPVS mode.
+    /// Settings used only in IPVS mode; a node running another mode ignores them (they apply when
+    /// it runs IPVS: `spec.mode` or `spec.fallback` ipvs, or a later switch). A change applies
+    /// without a restart, to the Services already programmed too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipvs: Option<IpvsSettings>,
 }

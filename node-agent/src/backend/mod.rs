@@ -42,7 +42,7 @@ pub struct Settings {
     pub node_port_addresses: NodePortIps,
     /// The fwmark bit used to request masquerade.
     pub masquerade_mark: u32,
-    /// IPVS mode: scheduler, strictARP, excluded CIDRs.
+    /// IPVS mode: scheduler, strictARP, excluded CIDRs, connection timeouts.
     pub ipvs: ipvs::IpvsOptions,
     /// iptables mode: serve IPv4 NodePorts on `127.0.0.1` too, as kube-proxy's
     /// `--iptables-localhost-nodeports` (default on): `route_localnet=1` plus a guard rule dropping
@@ -375,6 +375,14 @@ pub trait Backend: Send {
     /// would forget. The default answers by mode; a backend may override it.
     fn rebuild_with_new_settings(&self) -> bool {
         self.mode() != switchyard_crds::v1alpha1::ProxyMode::Ipvs
+    }
+    /// For a backend that may not be rebuilt ([`Self::rebuild_with_new_settings`] false): takes
+    /// new settings in place, keeping what it remembers; its next sync is full and programs them.
+    /// Returns whether it took them (the default takes nothing: the backend keeps the settings it
+    /// was built with).
+    fn take_settings(&mut self, settings: &Settings) -> bool {
+        let _ = settings;
+        false
     }
     /// What must appear in the kernel before this backend may take traffic (`None`: ready). A
     /// switch waits in Preparing for it, at most the health gate's timeout. Only mode `external`

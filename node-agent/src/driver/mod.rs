@@ -195,9 +195,10 @@ impl Driver {
         }
     }
 
-    /// Takes new settings where that is safe: not during a switch (they wait for its end), and
-    /// only if the serving backend may be rebuilt ([`Backend::rebuild_with_new_settings`];
-    /// otherwise it keeps the settings it was built with).
+    /// Takes new settings where that is safe: not during a switch (they wait for its end). The
+    /// serving backend is rebuilt if it may be ([`Backend::rebuild_with_new_settings`]), or else
+    /// takes them in place ([`Backend::take_settings`]; the others are rebuilt when used); one
+    /// that takes neither keeps the settings it was built with.
     pub fn update_settings(&mut self, settings: Settings) {
         if self.switching() || settings == self.settings {
             return;
@@ -205,6 +206,9 @@ impl Driver {
         let active = self.state.active;
         if self.backend(active).rebuild_with_new_settings() {
             self.set_settings(settings);
+        } else if self.backend(active).take_settings(&settings) {
+            self.backends.retain(|mode, _| *mode == active);
+            self.settings = settings;
         }
     }
 

@@ -116,6 +116,18 @@ impl Backend for FakeBackend {
             k.drift.get(&self.mode).cloned().unwrap_or_default()
         }))
     }
+
+    /// As the real backends: IPVS (never rebuilt) takes new settings in place, the others not.
+    fn take_settings(&mut self, settings: &Settings) -> bool {
+        let taken = self.mode == IPVS;
+        if taken {
+            with(&self.kernel, |k| {
+                k.log
+                    .push(format!("{} take_settings {}", self.mode, settings.node.name));
+            });
+        }
+        taken
+    }
 }
 
 struct FakeBackends(Shared<Kernel>);
@@ -621,6 +633,11 @@ fn new_settings_rebuild_the_backends_except_during_a_switch_or_under_ipvs() {
     ipvs.driver.update_settings(settings("renamed"));
     ipvs.sync().expect("sync");
     assert_eq!(builds(&ipvs), before, "IPVS keeps the backend it serves with");
+    assert!(
+        ipvs.take_log().contains(&"ipvs take_settings renamed".to_owned()),
+        "and takes the new settings in place"
+    );
+    assert_eq!(ipvs.driver.settings, settings("renamed"));
 }
 
 #[test]

@@ -13,7 +13,9 @@ use crate::sys::{
 pub const NFTABLES_MIN_KERNEL: KernelVersion = KernelVersion(5, 13, 0);
 
 /// Schedulers the IPVS backend knows how to configure.
-pub const IPVS_SCHEDULERS: [&str; 9] = ["rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh"];
+pub const IPVS_SCHEDULERS: [&str; 14] = [
+    "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "fo", "ovf", "mh", "twos",
+];
 
 /// A kernel version `major.minor.patch`, compared numerically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use switchyard_crds::v1alpha1::{Capabilities, ConntrackSettings, ProxyMode, ProxySettings};
+use switchyard_crds::v1alpha1::{Capabilities, ConntrackSettings, IpvsSettings, ProxyMode, ProxySettings};
 
 use crate::{
     backend::{self, Settings},
@@ -148,6 +148,8 @@ pub struct Config {
     pub service_cidrs: Vec<IpNet>,
     /// The conntrack sysctls to set (only a policy sets them; see [`crate::node_sysctls`]).
     pub conntrack: Option<ConntrackSettings>,
+    /// IPVS mode's settings (only a policy sets them; see [`backend::ipvs::IpvsOptions::from_policy`]).
+    pub ipvs: Option<IpvsSettings>,
 }
 
 /// The node's InternalIP addresses.
@@ -202,7 +204,7 @@ pub fn node_settings(config: &Config, node: Option<&Node>) -> Settings {
         cluster_cidrs: config.cluster_cidrs.clone(),
         masquerade_all: config.masquerade_all,
         masquerade_mark: 0x4000,
-        ipvs: backend::ipvs::IpvsOptions::default(),
+        ipvs: backend::ipvs::IpvsOptions::from_policy(config.ipvs.as_ref()),
         localhost_node_ports: config.localhost_node_ports,
         nftables_localhost_node_ports: config.nftables_localhost_node_ports,
         service_cidrs: config.service_cidrs.clone(),
@@ -230,7 +232,7 @@ pub fn parse_cluster_cidrs(value: &str) -> std::result::Result<Vec<IpNet>, Strin
 
 /// The agent's configuration with the governing policy's proxy settings (from NodeProxy spec)
 /// laid over its flags: clusterCIDR, masqueradeAll, nodePortAddresses, minSyncPeriodSeconds,
-/// syncPeriodSeconds, serviceProxyName and localhostNodePorts (for iptables and nftables mode
+/// syncPeriodSeconds, serviceProxyName, ipvs and localhostNodePorts (for iptables and nftables mode
 /// alike; absent, each mode keeps its flag, whose defaults are kube-proxy's: on in iptables mode,
 /// off in nftables mode). The conntrack settings are applied by [`crate::node_sysctls`]. A field the policy leaves out keeps the flag's value; invalid values
 /// keep it too (the CRD validates them, so this only guards against skew).
@@ -248,6 +250,9 @@ pub fn with_policy_settings(config: &Config, proxy: Option<&ProxySettings>) -> C
     }
     if p.conntrack.is_some() {
         c.conntrack = p.conntrack.clone();
+    }
+    if p.ipvs.is_some() {
+        c.ipvs = p.ipvs.clone();
     }
     if let Some(Ok(cidrs)) = p.cluster_cidr.as_deref().map(parse_cluster_cidrs) {
         c.cluster_cidrs = cidrs;
@@ -296,6 +301,7 @@ mod tests {
             nftables_localhost_node_ports: false,
             service_cidrs: Vec::new(),
             conntrack: None,
+            ipvs: None,
         }
     }
 
@@ -381,6 +387,42 @@ mod tests {
                 (on, on)
             );
         }
+    }
+
+    /// Every field of `proxy.ipvs` reaches the backend's settings; absent, kube-proxy's defaults.
+    #[test]
+    fn policy_ipvs_settings_reach_the_backend_settings() {
+        use switchyard_crds::v1alpha1::IpvsScheduler;
+        let flags = config();
+        assert_eq!(
+            node_settings(&with_policy_settings(&flags, None), None).ipvs,
+            backend::ipvs::IpvsOptions::default()
+        );
+        let proxy = ProxySettings {
+            ipvs: Some(IpvsSettings {
+                scheduler: Some(IpvsScheduler::Twos),
+                strict_arp: Some(true),
+                exclude_cidrs: vec!["10.96.9.1/24".into(), "fd00::/64".into()],
+                tcp_timeout_seconds: Some(901),
+                tcp_fin_timeout_seconds: Some(0),
+                udp_timeout_seconds: Some(33),
+            }),
+            ..Default::default()
+        };
+        let s = node_settings(&with_policy_settings(&flags, Some(&proxy)), None);
+        assert_eq!(
+            s.ipvs,
+            backend::ipvs::IpvsOptions {
+                scheduler: "twos".into(),
+                strict_arp: true,
+                exclude_cidrs: vec!["10.96.9.0/24".parse().expect("net")],
+                timeouts: crate::sys::ipvs::Timeouts {
+                    tcp: 901,
+                    tcp_fin: 0,
+                    udp: 33,
+                },
+            }
+        );
     }
 
     #[test]

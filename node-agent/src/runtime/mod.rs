@@ -185,7 +185,8 @@ async fn sync_loop(
         };
         parts.settings_in_force(&mut input, &mut d);
         let localhost = sysctls::localhost_wanted(&input.settings, &d.state);
-        parts.take_settings(&input.effective, localhost);
+        let strict_arp = sysctls::strict_arp_wanted(&input.settings, &d.state);
+        parts.take_settings(&input.effective, localhost, strict_arp);
         // Localhost NodePorts only once route_localnet is set (a fresh driver has built no
         // backend yet: it takes the gated settings before its first sync, even mid-switch).
         parts.sysctls.gate_localhost(&mut input.settings, localhost);
@@ -258,17 +259,18 @@ impl SyncLoop {
     }
 
     /// Takes the settings that do not go to the backend: the sync pacing, the
-    /// service-proxy-name filter (each logged when it changes), the conntrack sysctls and
-    /// `route_localnet` (1 while `localhost` NodePorts are served); only once our NodeProxy has
+    /// service-proxy-name filter (each logged when it changes), the conntrack sysctls,
+    /// `route_localnet` (1 while `localhost` NodePorts are served) and strictARP's (while
+    /// `strict_arp`); only once our NodeProxy has
     /// been listed (or the first sync stopped waiting for it), so that a restart does not flap
     /// them to the flags'.
-    fn take_settings(&mut self, effective: &Config, localhost: bool) {
+    fn take_settings(&mut self, effective: &Config, localhost: bool, strict_arp: bool) {
         if !self.settings_known() {
             return;
         }
         for (kind, condition) in self
             .sysctls
-            .apply(effective.conntrack.as_ref(), localhost)
+            .apply(effective.conntrack.as_ref(), localhost, strict_arp)
             .into_iter()
             .flatten()
         {

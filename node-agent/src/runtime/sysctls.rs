@@ -1,5 +1,5 @@
-//! Applies the policy's `proxy.conntrack`, and the `route_localnet` localhost NodePorts need, to
-//! the node's sysctls: reads the current values, writes what [`crate::node_sysctls::plan`] says
+//! Applies the policy's `proxy.conntrack`, the `route_localnet` localhost NodePorts need, and
+//! the `arp_ignore`/`arp_announce` of IPVS's strictARP to the node's sysctls: reads the current values, writes what [`crate::node_sysctls::plan`] says
 //! through the [`Sysctl`] adapter, and keeps the values it replaced in the state file so that they
 //! are put back when nothing asks any more (or on `--cleanup`, [`restore_from`]). It runs when the
 //! asked-for values change (and once at start), never in a retry loop: a knob the kernel refuses
@@ -46,6 +46,15 @@ pub(super) fn localhost_wanted(settings: &Settings, state: &SwitchState) -> bool
         _ => false,
     };
     std::iter::once(state.active).chain(state.target).any(serves)
+}
+
+/// Whether IPVS serves (or, during a switch, is the target) with strictARP in `settings`, and so
+/// needs `arp_ignore=1` / `arp_announce=2`.
+pub(super) fn strict_arp_wanted(settings: &Settings, state: &SwitchState) -> bool {
+    settings.ipvs.strict_arp
+        && std::iter::once(state.active)
+            .chain(state.target)
+            .any(|m| m == ProxyMode::Ipvs)
 }
 
 /// The adapter's name of a knob: its path under `/proc/sys/`, or the absolute path of a file
@@ -182,11 +191,18 @@ impl ConntrackSysctls {
     }
 
     /// Brings the sysctls to what `settings` ask for, with `route_localnet=1` when `localhost`
-    /// or while the rules last handed on still serve them, if that changed since the last pass;
-    /// returns the status conditions when they may have changed.
-    pub fn apply(&mut self, settings: Option<&ConntrackSettings>, localhost: bool) -> Option<Conditions> {
+    /// or while the rules last handed on still serve them, and strictARP's values when
+    /// `strict_arp`, if that changed since the last pass; returns the status conditions when
+    /// they may have changed.
+    pub fn apply(
+        &mut self,
+        settings: Option<&ConntrackSettings>,
+        localhost: bool,
+        strict_arp: bool,
+    ) -> Option<Conditions> {
         let localhost = localhost || self.served;
         let wanted = node_sysctls::with_route_localnet(node_sysctls::wanted(settings, cores()), localhost);
+        let wanted = node_sysctls::with_strict_arp(wanted, strict_arp);
         if self.applied.as_ref() == Some(&wanted) {
             return None;
         }
@@ -199,6 +215,8 @@ impl ConntrackSysctls {
         {
             if knob.is_conntrack() {
                 tracing::warn!(knob = ?knob, reason = %why, "conntrack sysctl not written; the node keeps its value");
+            } else if *knob != Knob::RouteLocalnet {
+                tracing::warn!(knob = ?knob, reason = %why, "strictARP sysctl not written: the node may answer ARP for service addresses");
             } else {
                 tracing::warn!(reason = %why, "route_localnet cannot be set: NodePorts on 127.0.0.1 are refused");
             }
@@ -413,6 +431,83 @@ mod tests {
         let ok = localnet_condition(true, &BTreeMap::new()).expect("a condition");
         assert_eq!((ok.status.as_str(), ok.reason.as_str()), ("True", "Served"));
         assert!(localnet_condition(false, &BTreeMap::new()).is_none());
+    }
+
+    #[test]
+    fn strict_arp_is_wanted_while_ipvs_serves_or_is_the_target_with_it() {
+        let state = |active, target| SwitchState {
+            target,
+            ..SwitchState::active(active)
+        };
+        let mut strict = Settings::default();
+        strict.ipvs.strict_arp = true;
+        assert!(strict_arp_wanted(&strict, &state(ProxyMode::Ipvs, None)));
+        assert!(strict_arp_wanted(
+            &strict,
+            &state(ProxyMode::Nftables, Some(ProxyMode::Ipvs))
+        ));
+        assert!(!strict_arp_wanted(&strict, &state(ProxyMode::Nftables, None)));
+        assert!(!strict_arp_wanted(
+            &Settings::default(),
+            &state(ProxyMode::Ipvs, None)
+        ));
+        assert_eq!(sysctl_name(Knob::ArpIgnore), "net/ipv4/conf/all/arp_ignore");
+    }
+
+    /// strictARP on the VM's kernel (`scripts/ipvs-vm.sh`, which runs the `vm_` tests here):
+    /// from a policy's `proxy.ipvs` through the backend settings, written while IPVS serves with
+    /// it, the node's own values put back when the policy stops asking and by `--cleanup`.
+    #[test]
+    #[ignore = "needs the IPVS kernel: scripts/ipvs-vm.sh"]
+    fn vm_strict_arp_is_written_and_the_nodes_values_come_back() {
+        use switchyard_crds::v1alpha1::IpvsSettings;
+        assert!(
+            std::env::var_os("SWITCHYARD_IPVS_VM").is_some(),
+            "VM-only test: run scripts/ipvs-vm.sh"
+        );
+        let read = || {
+            let v = |k: Knob| host::sysctl_i64(sysctl_name(k)).unwrap_or(-1);
+            (v(Knob::ArpIgnore), v(Knob::ArpAnnounce))
+        };
+        // A value of the node's own to come back (the kernel's default is 0).
+        let mut sysctl = HostSysctl::new(None);
+        sysctl.ensure(sysctl_name(Knob::ArpAnnounce), "1").expect("write");
+        let node = read();
+        assert_eq!(node, (0, 1));
+        let dir = std::env::temp_dir().join("swy-strict-arp");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = StateFile(dir.join("state.json"));
+        let mut sysctls = ConntrackSysctls::new(StateFile(file.0.clone()));
+        let policy = IpvsSettings {
+            strict_arp: Some(true),
+            ..Default::default()
+        };
+        let mut settings = Settings {
+            ipvs: crate::backend::ipvs::IpvsOptions::from_policy(Some(&policy)),
+            ..Settings::default()
+        };
+        let ipvs = SwitchState::active(ProxyMode::Ipvs);
+        sysctls.apply(None, false, strict_arp_wanted(&settings, &ipvs));
+        assert_eq!(read(), (1, 2), "written while IPVS serves with strictARP");
+        assert_eq!(
+            file.load_sysctls().0,
+            [(Knob::ArpIgnore, 0), (Knob::ArpAnnounce, 1)].into(),
+            "the node's values remembered in the state file"
+        );
+        settings.ipvs = crate::backend::ipvs::IpvsOptions::from_policy(None);
+        sysctls.apply(None, false, strict_arp_wanted(&settings, &ipvs));
+        assert_eq!(read(), node, "the policy stopped asking");
+        assert!(file.load_sysctls().0.is_empty());
+        sysctls.apply(None, false, true);
+        assert_eq!(read(), (1, 2));
+        assert_eq!(restore_from(&file), Vec::<String>::new());
+        assert_eq!(read(), node, "--cleanup put them back");
+        println!(
+            "VMTEST strictARP: arp_ignore/arp_announce {node:?} -> (1, 2) while IPVS serves with it; \
+             {node:?} again when the policy stops asking and after --cleanup"
+        );
+        sysctl.ensure(sysctl_name(Knob::ArpAnnounce), "0").expect("write");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

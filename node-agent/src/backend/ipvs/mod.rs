@@ -2,7 +2,10 @@
 //!
 //! A sync renders the snapshot ([`render::render`], pure), then converges the kernel:
 //! 1. sysctls IPVS mode needs (`net/ipv4/vs/conntrack`, `expire_nodest_conn`,
-//!    `expire_quiescent_template`, `ip_forward`; with strictARP `arp_ignore=1`/`arp_announce=2`);
+//!    `expire_quiescent_template`, `ip_forward`) and the connection timeouts the settings ask for
+//!    (`SET_CONFIG`, only those not 0 and not already in place); strictARP's `arp_ignore=1` /
+//!    `arp_announce=2` are the runtime's ([`crate::node_sysctls`], which remembers the node's
+//!    values and puts them back when IPVS stops asking or on `--cleanup`);
 //! 2. the dummy link [`render::LINK`];
 //! 3. the `SWY-*` ipsets that changed, each replaced atomically with one `ipset restore`;
 //! 4. our iptables chains `SWY-IPVS-*` with one `iptables-restore --noflush` (on full syncs the
@@ -14,7 +17,14 @@
 //!
 //! Ownership: a virtual server is ours when we created it, when its address is bound on the dummy
 //! link, or when it sits on a node address in the NodePort range; never when its address is in
-//! `excludeCIDRs`. Nothing else in the host's IPVS table is touched (no flush).
+//! `excludeCIDRs`: syncs neither create, edit nor delete such a virtual server (a Service whose
+//! address lies there is not served by IPVS), and cleanup leaves it, as kube-proxy's. Nothing
+//! else in the host's IPVS table is touched (no flush).
+//!
+//! Settings: IPVS may not be rebuilt while it serves (graceful termination lives in its memory),
+//! so it takes new settings in place ([`Backend::take_settings`]) and its next sync is full: a
+//! new scheduler reaches the existing virtual servers with `SET_SERVICE` (real servers and their
+//! connections stay), new timeouts with `SET_CONFIG`, new `excludeCIDRs` change what it owns.
 //!
 //! Graceful termination: a real server that leaves a TCP service is set to weight 0 (no new
 //! connections) and deleted at a later sync once it has no active connection; UDP and SCTP real
@@ -82,14 +92,14 @@ mod tests;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
-use switchyard_crds::v1alpha1::ProxyMode;
+use switchyard_crds::v1alpha1::{IpvsScheduler, IpvsSettings, ProxyMode};
 
 use crate::backend::{Backend, BackendError, Settings, SyncStats};
 use crate::model::{Changes, DualSnapshot, Ipv4Net, Snapshot};
 use crate::sys::KernelError;
 use crate::sys::ipset::{self, Ipsets, KernelIpsets};
 use crate::sys::iptables::{Iptables, IptablesError, SaveRestore, Table, Variant};
-use crate::sys::ipvs::{Destination, IpvsTable, KernelIpvs, Op, ServiceKey, VirtualAddr};
+use crate::sys::ipvs::{Destination, IpvsTable, KernelIpvs, Op, ServiceKey, Timeouts, VirtualAddr};
 use crate::sys::link::{KernelLinks, Links};
 use crate::sys::sysctl::{HostSysctl, Sysctl};
 
@@ -100,13 +110,16 @@ const BACKEND: &str = "ipvs";
 /// IPVS-mode settings (KubeProxyConfiguration `ipvs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IpvsOptions {
-    /// Scheduler of every virtual service (`rr`, `wrr`, `lc`, `wlc`, `sh`, `dh`, `sed`, `nq`, `mh`).
+    /// Scheduler of every virtual service (`rr`, `wrr`, `lc`, `wlc`, `lblc`, `lblcr`, `sh`, `dh`,
+    /// `sed`, `nq`, `fo`, `ovf`, `mh`, `twos`).
     pub scheduler: String,
     /// Set `arp_ignore=1` and `arp_announce=2` so the node does not answer ARP for the service
-    /// addresses on the dummy link.
+    /// addresses on the dummy link (written by the runtime, see the module doc).
     pub strict_arp: bool,
     /// Virtual servers on addresses in these CIDRs are never touched or cleaned up.
     pub exclude_cidrs: Vec<Ipv4Net>,
+    /// Connection timeouts to set (`ipvsadm --set`); a 0 leaves the kernel's.
+    pub timeouts: Timeouts,
 }
 
 impl Default for IpvsOptions {
@@ -115,7 +128,56 @@ impl Default for IpvsOptions {
             scheduler: "rr".into(),
             strict_arp: false,
             exclude_cidrs: Vec::new(),
+            timeouts: Timeouts::default(),
         }
+    }
+}
+
+impl IpvsOptions {
+    /// The options a policy's `proxy.ipvs` asks for, kube-proxy's defaults where it is silent:
+    /// `rr`, no strictARP, nothing excluded, timeouts left alone (absent, 0 or negative). IPv6
+    /// CIDRs and unparsable ones are left out (IPVS mode programs IPv4 only; the CRD validates
+    /// them).
+    pub fn from_policy(policy: Option<&IpvsSettings>) -> Self {
+        let Some(p) = policy else {
+            return Self::default();
+        };
+        let seconds = |v: Option<i32>| v.and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
+        Self {
+            scheduler: p.scheduler.map_or("rr", scheduler_name).to_owned(),
+            strict_arp: p.strict_arp.unwrap_or(false),
+            exclude_cidrs: p
+                .exclude_cidrs
+                .iter()
+                .filter_map(|c| c.trim().parse::<Ipv4Net>().ok())
+                .map(|n| n.trunc())
+                .collect(),
+            timeouts: Timeouts {
+                tcp: seconds(p.tcp_timeout_seconds),
+                tcp_fin: seconds(p.tcp_fin_timeout_seconds),
+                udp: seconds(p.udp_timeout_seconds),
+            },
+        }
+    }
+}
+
+/// The kernel's name of `scheduler` (`ip_vs_<name>`).
+pub fn scheduler_name(scheduler: IpvsScheduler) -> &'static str {
+    match scheduler {
+        IpvsScheduler::Rr => "rr",
+        IpvsScheduler::Wrr => "wrr",
+        IpvsScheduler::Lc => "lc",
+        IpvsScheduler::Wlc => "wlc",
+        IpvsScheduler::Lblc => "lblc",
+        IpvsScheduler::Lblcr => "lblcr",
+        IpvsScheduler::Sh => "sh",
+        IpvsScheduler::Dh => "dh",
+        IpvsScheduler::Sed => "sed",
+        IpvsScheduler::Nq => "nq",
+        IpvsScheduler::Fo => "fo",
+        IpvsScheduler::Ovf => "ovf",
+        IpvsScheduler::Mh => "mh",
+        IpvsScheduler::Twos => "twos",
     }
 }
 
@@ -278,6 +340,8 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
     }
 
     /// Local IPv4 addresses outside the dummy link, except loopback (where NodePorts may go).
+    /// kube-proxy's `kube-ipvs0` carries service addresses, not node ones (while a takeover
+    /// removes it), as kube-proxy leaves it out too.
     fn node_addresses(&self) -> Result<Vec<Ipv4Addr>, BackendError> {
         let all = self
             .links
@@ -320,22 +384,39 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
     }
 
     fn sysctls(&mut self) -> Result<(), BackendError> {
-        let mut list = vec![
+        let list = [
             ("net/ipv4/vs/conntrack", "1"),
             ("net/ipv4/vs/expire_nodest_conn", "1"),
             ("net/ipv4/vs/expire_quiescent_template", "1"),
             ("net/ipv4/ip_forward", "1"),
         ];
-        if self.settings.ipvs.strict_arp {
-            list.push(("net/ipv4/conf/all/arp_ignore", "1"));
-            list.push(("net/ipv4/conf/all/arp_announce", "2"));
-        }
         for (path, value) in list {
             self.sysctl
                 .ensure(path, value)
                 .map_err(|e| cmd_err("sysctl")(format!("{path}={value}: {e}")))?;
         }
         Ok(())
+    }
+
+    /// The timeouts the settings ask for, where the kernel's differ (`None`: nothing to write).
+    fn timeouts_to_set(&self) -> Result<Option<Timeouts>, BackendError> {
+        let want = self.settings.ipvs.timeouts;
+        if want.is_unset() {
+            return Ok(None);
+        }
+        let current = self.ipvs.timeouts().map_err(ipvs_err)?;
+        Ok((want.over(current) != current).then_some(want))
+    }
+
+    /// Sets the connection timeouts the settings ask for (`SET_CONFIG`), when they differ.
+    fn timeouts(&mut self) -> Result<usize, BackendError> {
+        match self.timeouts_to_set()? {
+            Some(t) => {
+                self.ipvs.set_timeouts(&t).map_err(ipvs_err)?;
+                Ok(1)
+            }
+            None => Ok(0),
+        }
     }
 
     /// The jump rule edits that bring the kernel to the current bypass state.
@@ -373,6 +454,7 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
         let mut objects = 0;
         if full {
             self.sysctls()?;
+            objects += self.timeouts()?;
             if self
                 .links
                 .ensure_dummy(LINK)
@@ -439,6 +521,7 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
         self.applied = desired
             .virtual_servers
             .iter()
+            .filter(|(k, _)| !self.excluded(&k.addr))
             .map(|(k, v)| (*k, (v.service.clone(), v.reals.clone())))
             .collect();
         Ok(SyncStats {
@@ -469,7 +552,11 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
         }
         let (mut adds, mut dest_ops, mut deletes) = (Vec::new(), Vec::new(), Vec::new());
         let mut terminating = BTreeSet::new();
-        for (key, vs) in &desired.virtual_servers {
+        for (key, vs) in desired
+            .virtual_servers
+            .iter()
+            .filter(|(k, _)| !self.excluded(&k.addr))
+        {
             let Some(current) = kernel.get(key) else {
                 adds.push(Op::AddService(vs.service.clone()));
                 for (ip, port) in &vs.reals {
@@ -610,6 +697,12 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
 
         self.iptables_drift(&mut drift)?;
         self.ipvs_drift(&mut drift, &linked)?;
+        if let Some(t) = self.timeouts_to_set()? {
+            let have = self.ipvs.timeouts().map_err(ipvs_err)?;
+            drift.push(format!(
+                "IPVS timeouts are {have:?}, want the non-zero ones of {t:?}"
+            ));
+        }
         Ok(drift)
     }
 
@@ -851,6 +944,16 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> Backend for I
             Err(e) => errors.push(e),
         }
         BackendError::collect(errors)
+    }
+
+    /// Takes `settings` in place (see the module doc): the next sync is full and programs them;
+    /// what is draining keeps draining.
+    fn take_settings(&mut self, settings: &Settings) -> bool {
+        if *settings != self.settings {
+            self.settings = settings.clone();
+            self.needs_full = true;
+        }
+        true
     }
 
     fn render_text(&self, snapshot: &DualSnapshot) -> String {

@@ -10,6 +10,8 @@
 //!   the VM's kernel (`vm::conformance`, a network namespace per case), the fake checked against
 //!   the kernel (same state after full and partial syncs, same typed IPVS refusals), and graceful
 //!   termination on the fake IPVS table.
+//! - Settings (`settings_fake`, `vm::settings`): every `proxy.ipvs` field taken in place reaches
+//!   the fake table and the kernel's (schedulers, timeouts, excludeCIDRs).
 
 use std::net::Ipv4Addr;
 
@@ -465,6 +467,8 @@ fn vm_scenario() -> Snapshot {
     s
 }
 
+mod settings_fake;
+
 /// Tests that need the IPVS kernel, run inside the VM by `scripts/ipvs-vm.sh` (which sets
 /// `SWITCHYARD_IPVS_VM=1` and passes `--ignored --test-threads=1`). The VM's root namespace is the
 /// director (the node); `client` and `rs1..rs3` are namespaces joined to it by veth pairs.
@@ -484,6 +488,8 @@ mod vm {
 
     const IGNORE: &str = "needs the IPVS kernel: scripts/ipvs-vm.sh";
     const TIMEOUT: Duration = Duration::from_secs(3);
+
+    mod settings;
 
     /// The conformance suite on the VM's kernel, each case in a throwaway network namespace (its
     /// own IPVS table, ipsets, iptables, links and `net/` sysctls), plus the fake against it.

@@ -5,31 +5,48 @@
 //! kernel's `ESRCH`/`ENOENT`). Real servers live under their service and go with it; their
 //! connection counters are set by the test ([`FakeIpvs::set_connections`]) to play the
 //! connections graceful termination waits for. Every op of a batch is applied or refused on its
-//! own, as the kernel acks each request of a batch. [`Faulty`] wraps any table with injected
-//! write failures.
+//! own, as the kernel acks each request of a batch. The connection timeouts start at the kernel's
+//! defaults and take the non-zero ones of a write, refusing what the kernel refuses (more than
+//! `INT_MAX / HZ` seconds: `EINVAL`). [`Faulty`] wraps any table with injected write failures.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use super::{Destination, FLAG_HASHED, IpvsTable, Op, Service, ServiceKey, VirtualAddr};
+use super::{Destination, FLAG_HASHED, IpvsTable, Op, Service, ServiceKey, Timeouts, VirtualAddr};
 use crate::sys::error::{EIO, KernelError, KernelResult};
 
-/// The schedulers a Debian kernel ships (`ip_vs_<name>`).
-const SCHEDULERS: [&str; 12] = [
-    "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "mh",
+/// The schedulers a Debian 6.1 kernel ships (`ip_vs_<name>`; `twos` came with 6.2).
+pub const SCHEDULERS: [&str; 13] = [
+    "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf", "mh",
 ];
+
+/// The largest timeout the kernel takes: `INT_MAX / HZ` with Debian's `CONFIG_HZ=250`.
+pub const MAX_TIMEOUT: u32 = (i32::MAX / 250) as u32;
+
+/// `EINVAL`.
+const EINVAL: i32 = 22;
 
 /// One virtual service and its real servers by (address, port).
 type Entry = (Service, BTreeMap<(IpAddr, u16), Destination>);
 
 /// Virtual services in memory.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakeIpvs {
     services: BTreeMap<VirtualAddr, Entry>,
+    timeouts: Timeouts,
+}
+
+impl Default for FakeIpvs {
+    fn default() -> Self {
+        Self {
+            services: BTreeMap::new(),
+            timeouts: Timeouts::KERNEL_DEFAULT,
+        }
+    }
 }
 
 impl FakeIpvs {
-    /// An empty table.
+    /// An empty table with the kernel's default timeouts.
     pub fn new() -> Self {
         Self::default()
     }
@@ -149,6 +166,21 @@ impl IpvsTable for FakeIpvs {
             .filter_map(|op| self.apply_one(op).err().map(|e| (op.clone(), e)))
             .collect())
     }
+
+    fn timeouts(&self) -> KernelResult<Timeouts> {
+        Ok(self.timeouts)
+    }
+
+    fn set_timeouts(&mut self, t: &Timeouts) -> KernelResult<()> {
+        if [t.tcp, t.tcp_fin, t.udp].iter().any(|s| *s > MAX_TIMEOUT) {
+            return Err(KernelError::Refused {
+                what: format!("SET_CONFIG tcp {} tcpfin {} udp {}", t.tcp, t.tcp_fin, t.udp),
+                errno: EINVAL,
+            });
+        }
+        self.timeouts = t.over(self.timeouts);
+        Ok(())
+    }
 }
 
 /// Any IPVS table with injected faults: the next `n` non-empty batches fail whole (nothing of
@@ -200,6 +232,22 @@ impl<T: IpvsTable> IpvsTable for Faulty<T> {
         }
         self.inner.apply(ops)
     }
+
+    fn timeouts(&self) -> KernelResult<Timeouts> {
+        self.inner.timeouts()
+    }
+
+    /// Fails whole as a batch does while faults are pending.
+    fn set_timeouts(&mut self, t: &Timeouts) -> KernelResult<()> {
+        if self.failing > 0 && !t.is_unset() {
+            self.failing -= 1;
+            return Err(KernelError::Refused {
+                what: "injected fault: SET_CONFIG".into(),
+                errno: EIO,
+            });
+        }
+        self.inner.set_timeouts(t)
+    }
 }
 
 #[cfg(test)]
@@ -248,5 +296,40 @@ mod tests {
         assert!(faulty.apply(&[Op::AddService(s.clone())]).is_err());
         assert!(faulty.inner().services().expect("dump").is_empty());
         assert!(faulty.apply(&[Op::AddService(s)]).expect("apply").is_empty());
+    }
+
+    /// The timeouts start at the kernel's defaults; a write changes only its non-zero ones and
+    /// one above the kernel's bound is refused whole.
+    #[test]
+    fn fake_ipvs_holds_the_timeouts_as_the_kernel_does() {
+        let mut t = FakeIpvs::new();
+        assert_eq!(t.timeouts().expect("get"), Timeouts::KERNEL_DEFAULT);
+        let partial = Timeouts {
+            tcp: 3600,
+            tcp_fin: 0,
+            udp: 45,
+        };
+        t.set_timeouts(&partial).expect("set");
+        let want = Timeouts {
+            tcp: 3600,
+            tcp_fin: 120,
+            udp: 45,
+        };
+        assert_eq!(t.timeouts().expect("get"), want);
+        t.set_timeouts(&Timeouts::default()).expect("0 changes nothing");
+        assert_eq!(t.timeouts().expect("get"), want);
+        let too_long = Timeouts {
+            tcp_fin: MAX_TIMEOUT + 1,
+            ..Timeouts::KERNEL_DEFAULT
+        };
+        assert!(matches!(
+            t.set_timeouts(&too_long),
+            Err(KernelError::Refused { errno: EINVAL, .. })
+        ));
+        assert_eq!(
+            t.timeouts().expect("get"),
+            want,
+            "a refused write changes nothing"
+        );
     }
 }

@@ -11,6 +11,11 @@
 //! services the module cannot represent (firewall-mark services, unknown address families) are
 //! returned as [`Foreign`](ServiceKey::Foreign) keys so callers can leave them alone.
 //!
+//! The connection timeouts (`ipvsadm --set tcp tcpfin udp`) are read with `GET_CONFIG` (answered
+//! with a `SET_CONFIG` message carrying `IPVS_CMD_ATTR_TIMEOUT_*`, u32 seconds) and written with
+//! `SET_CONFIG`, which carries only the timeouts to change: the kernel keeps the others (and a 0
+//! too), as kube-proxy's `--ipvs-tcp-timeout` & co. mean it ([`Timeouts`]).
+//!
 //! Writes are batched: many requests with `NLM_F_ACK` go out in one datagram and the kernel's
 //! per-message acks are matched by sequence number ([`Ipvs::apply`]).
 //!
@@ -56,6 +61,10 @@ pub mod cmd {
     pub const DEL_DEST: u8 = 7;
     /// Get (dump) real servers of one service.
     pub const GET_DEST: u8 = 8;
+    /// Set the connection timeouts.
+    pub const SET_CONFIG: u8 = 12;
+    /// Get the connection timeouts (answered with a `SET_CONFIG` message).
+    pub const GET_CONFIG: u8 = 13;
     /// Delete every virtual service (never used by the backend: it would flush the host's).
     pub const FLUSH: u8 = 17;
 }
@@ -66,6 +75,12 @@ pub mod cmd_attr {
     pub const SERVICE: u16 = 1;
     /// Nested destination attributes.
     pub const DEST: u16 = 2;
+    /// TCP (established) connection timeout in seconds, u32.
+    pub const TIMEOUT_TCP: u16 = 4;
+    /// TCP FIN_WAIT timeout in seconds, u32.
+    pub const TIMEOUT_TCP_FIN: u16 = 5;
+    /// UDP timeout in seconds, u32.
+    pub const TIMEOUT_UDP: u16 = 6;
 }
 
 /// `IPVS_SVC_ATTR_*`.
@@ -228,6 +243,42 @@ impl Destination {
             active_conns: 0,
             inactive_conns: 0,
             persist_conns: 0,
+        }
+    }
+}
+
+/// The IPVS connection timeouts of a network namespace in seconds (`ipvsadm -L --timeout`). In
+/// a write a 0 leaves that timeout as it is (the kernel's `ip_vs_set_timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Timeouts {
+    /// Established TCP connections (kernel default 900).
+    pub tcp: u32,
+    /// TCP connections in FIN_WAIT (kernel default 120).
+    pub tcp_fin: u32,
+    /// UDP (kernel default 300).
+    pub udp: u32,
+}
+
+impl Timeouts {
+    /// The kernel's values at module load (`tcp_timeouts[]`, `udp_timeouts[]`).
+    pub const KERNEL_DEFAULT: Timeouts = Timeouts {
+        tcp: 900,
+        tcp_fin: 120,
+        udp: 300,
+    };
+
+    /// Whether every timeout is 0 (a write that changes nothing).
+    pub fn is_unset(&self) -> bool {
+        *self == Timeouts::default()
+    }
+
+    /// `current` with the non-zero timeouts of `self` laid over it.
+    pub fn over(&self, current: Timeouts) -> Timeouts {
+        let pick = |want: u32, have: u32| if want == 0 { have } else { want };
+        Timeouts {
+            tcp: pick(self.tcp, current.tcp),
+            tcp_fin: pick(self.tcp_fin, current.tcp_fin),
+            udp: pick(self.udp, current.udp),
         }
     }
 }
@@ -406,6 +457,37 @@ pub fn encode_get_dests(family_id: u16, seq: u32, addr: &VirtualAddr) -> Vec<u8>
     .finish()
 }
 
+/// `SET_CONFIG` with the non-zero timeouts of `t` (the kernel keeps the others).
+pub fn encode_set_config(family_id: u16, seq: u32, t: &Timeouts) -> Vec<u8> {
+    let mut msg = MessageBuilder::new(
+        family_id,
+        NLM_F_REQUEST | NLM_F_ACK,
+        seq,
+        &[cmd::SET_CONFIG, GENL_VERSION, 0, 0],
+    );
+    for (kind, seconds) in [
+        (cmd_attr::TIMEOUT_TCP, t.tcp),
+        (cmd_attr::TIMEOUT_TCP_FIN, t.tcp_fin),
+        (cmd_attr::TIMEOUT_UDP, t.udp),
+    ] {
+        if seconds != 0 {
+            msg = msg.attr(kind, &seconds.to_ne_bytes());
+        }
+    }
+    msg.finish()
+}
+
+/// `GET_CONFIG` request (not a dump: one answer, then the ack).
+pub fn encode_get_config(family_id: u16, seq: u32) -> Vec<u8> {
+    MessageBuilder::new(
+        family_id,
+        NLM_F_REQUEST | NLM_F_ACK,
+        seq,
+        &[cmd::GET_CONFIG, GENL_VERSION, 0, 0],
+    )
+    .finish()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decoding (pure, never panics)
 
@@ -542,6 +624,27 @@ pub fn parse_service_replies(replies: &[Reply], family_id: u16) -> Vec<(ServiceK
         .collect()
 }
 
+/// Decodes the answer to `GET_CONFIG`; `None` when no message of the family carries the three
+/// timeouts.
+pub fn parse_config_replies(replies: &[Reply], family_id: u16) -> Option<Timeouts> {
+    replies.iter().filter(|r| r.kind == family_id).find_map(|r| {
+        let (mut tcp, mut tcp_fin, mut udp) = (None, None, None);
+        for (kind, payload) in attrs(genl_attrs(r)) {
+            match kind {
+                cmd_attr::TIMEOUT_TCP => tcp = u32_ne(payload),
+                cmd_attr::TIMEOUT_TCP_FIN => tcp_fin = u32_ne(payload),
+                cmd_attr::TIMEOUT_UDP => udp = u32_ne(payload),
+                _ => {}
+            }
+        }
+        Some(Timeouts {
+            tcp: tcp?,
+            tcp_fin: tcp_fin?,
+            udp: udp?,
+        })
+    })
+}
+
 /// Decodes the replies of a `GET_DEST` dump.
 pub fn parse_dest_replies(replies: &[Reply], family_id: u16, svc_family: u16) -> Vec<Destination> {
     replies
@@ -645,6 +748,41 @@ impl Ipvs {
         Ok(refused)
     }
 
+    /// The connection timeouts (`GET_CONFIG`).
+    pub fn timeouts(&self) -> Result<Timeouts, IpvsError> {
+        let seq = self.next_seq();
+        let replies = self
+            .transport
+            .request(&encode_get_config(self.family, seq), &[seq])?;
+        let refused = |errno| IpvsError::Kernel {
+            op: "GET_CONFIG".into(),
+            errno,
+        };
+        if let Some(errno) = replies.iter().find_map(|r| r.error.filter(|e| *e != 0)) {
+            return Err(refused(errno));
+        }
+        // An answer without the timeouts: the kernel's EINVAL for a malformed reply.
+        parse_config_replies(&replies, self.family).ok_or_else(|| refused(-22))
+    }
+
+    /// Sets the non-zero timeouts of `t` (`SET_CONFIG`); nothing is sent when all are 0.
+    pub fn set_timeouts(&self, t: &Timeouts) -> Result<(), IpvsError> {
+        if t.is_unset() {
+            return Ok(());
+        }
+        let seq = self.next_seq();
+        let replies = self
+            .transport
+            .request(&encode_set_config(self.family, seq, t), &[seq])?;
+        match replies.iter().find_map(|r| r.error.filter(|e| *e != 0)) {
+            Some(errno) => Err(IpvsError::Kernel {
+                op: format!("SET_CONFIG tcp {} tcpfin {} udp {}", t.tcp, t.tcp_fin, t.udp),
+                errno,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Applies one op; a refusal is an error.
     pub fn apply_one(&self, op: Op) -> Result<(), IpvsError> {
         match self.apply(std::slice::from_ref(&op))?.into_iter().next() {
@@ -693,6 +831,10 @@ pub trait IpvsTable: std::fmt::Debug + Send {
     /// Applies `ops` in order; returns the ops refused with their errors (the others were
     /// applied). `Err` when nothing could be sent.
     fn apply(&mut self, ops: &[Op]) -> KernelResult<Vec<(Op, KernelError)>>;
+    /// The connection timeouts of the table's network namespace (`GET_CONFIG`).
+    fn timeouts(&self) -> KernelResult<Timeouts>;
+    /// Sets the non-zero timeouts of `t`, keeping the others (`SET_CONFIG`).
+    fn set_timeouts(&mut self, t: &Timeouts) -> KernelResult<()>;
 }
 
 impl IpvsTable for Ipvs {
@@ -712,6 +854,14 @@ impl IpvsTable for Ipvs {
                 (op, refusal(what, errno))
             })
             .collect())
+    }
+
+    fn timeouts(&self) -> KernelResult<Timeouts> {
+        Ok(Ipvs::timeouts(self)?)
+    }
+
+    fn set_timeouts(&mut self, t: &Timeouts) -> KernelResult<()> {
+        Ok(Ipvs::set_timeouts(self, t)?)
     }
 }
 
@@ -766,6 +916,17 @@ impl IpvsTable for KernelIpvs {
                 (op, refusal(what, errno))
             })
             .collect())
+    }
+
+    fn timeouts(&self) -> KernelResult<Timeouts> {
+        self.with(Ipvs::timeouts)
+    }
+
+    fn set_timeouts(&mut self, t: &Timeouts) -> KernelResult<()> {
+        if t.is_unset() {
+            return Ok(());
+        }
+        self.with(|ipvs| ipvs.set_timeouts(t))
     }
 }
 
@@ -953,6 +1114,49 @@ mod tests {
             parse_service(&odd),
             Some((ServiceKey::Foreign(_), None))
         ));
+    }
+
+    /// SET_CONFIG carries only the timeouts to change; GET_CONFIG's answer (a SET_CONFIG message
+    /// with all three) parses back, and an answer without them is none.
+    #[test]
+    fn ipvs_config_requests_and_answer() {
+        let t = Timeouts {
+            tcp: 901,
+            tcp_fin: 0,
+            udp: 33,
+        };
+        let msg = encode_set_config(FAMILY, 9, &t);
+        assert_eq!(u16::from_ne_bytes([msg[6], msg[7]]), 0x5, "REQUEST|ACK");
+        assert_eq!(&msg[16..20], &[cmd::SET_CONFIG, 1, 0, 0]);
+        let sent: Vec<(u16, Vec<u8>)> = attrs(&msg[20..]).map(|(k, p)| (k, p.to_vec())).collect();
+        assert_eq!(
+            sent,
+            vec![
+                (cmd_attr::TIMEOUT_TCP, 901u32.to_ne_bytes().to_vec()),
+                (cmd_attr::TIMEOUT_UDP, 33u32.to_ne_bytes().to_vec()),
+            ]
+        );
+        let get = encode_get_config(FAMILY, 10);
+        assert_eq!((get.len(), get[16]), (20, cmd::GET_CONFIG));
+        let all = Timeouts { tcp_fin: 120, ..t };
+        let mut answer = MessageBuilder::new(FAMILY, 0, 10, &[cmd::SET_CONFIG, 1, 0, 0])
+            .attr(cmd_attr::TIMEOUT_TCP, &901u32.to_ne_bytes())
+            .attr(cmd_attr::TIMEOUT_TCP_FIN, &120u32.to_ne_bytes())
+            .attr(cmd_attr::TIMEOUT_UDP, &33u32.to_ne_bytes())
+            .finish();
+        answer.extend(MessageBuilder::new(2, 0, 10, &0i32.to_ne_bytes()).finish());
+        let replies = crate::sys::netlink::parse_replies(&answer);
+        assert_eq!(parse_config_replies(&replies, FAMILY), Some(all));
+        assert_eq!(parse_config_replies(&replies[1..], FAMILY), None);
+        assert_eq!(
+            t.over(Timeouts::KERNEL_DEFAULT),
+            Timeouts {
+                tcp: 901,
+                tcp_fin: 120,
+                udp: 33
+            }
+        );
+        assert!(Timeouts::default().is_unset() && !t.is_unset());
     }
 
     #[test]
