@@ -3,11 +3,13 @@
 mod advice;
 mod common;
 mod node_proxy;
+mod on_release;
 mod proxy_policy;
 mod switch_outcome;
 
 pub use advice::*;
 pub use common::*;
 pub use node_proxy::*;
+pub use on_release::*;
 pub use proxy_policy::*;
 pub use switch_outcome::*;

@@ -7,7 +7,7 @@ use k8s_openapi::apimachinery::pkg::{
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use super::{HealthGate, ProxyMode, ProxySettings};
+use super::{HealthGate, OnRelease, ProxyMode, ProxySettings, RevertMode};
 
 /// A pool of nodes (by label selector), the service-proxy mode they should run, and how to roll the
 /// change out: in waves, gated on data-plane health, with pause, approval and rollback.
@@ -63,6 +63,9 @@ use super::{HealthGate, ProxyMode, ProxySettings};
 #[x_kube(validation = Rule::new("!has(self.proxy) || !has(self.proxy.localhostNodePorts) || !self.proxy.localhostNodePorts || (self.mode in ['iptables', 'nftables'] && (!has(self.fallback) || self.fallback in ['skip', 'iptables', 'nftables']))").message("proxy.localhostNodePorts works in iptables and nftables mode only (IPVS does not serve NodePorts on 127.0.0.1, nor does kube-proxy's IPVS mode): set spec.mode (and spec.fallback, if any) to iptables or nftables, or remove proxy.localhostNodePorts"))]
 #[x_kube(validation = Rule::new("self.mode != 'external' || !has(self.fallback) || self.fallback == 'skip'").message("spec.fallback has no meaning with mode external (every node can hand over to another proxy): remove spec.fallback"))]
 #[x_kube(validation = Rule::new("self.mode != 'external' || !has(self.proxy)").message("spec.proxy configures Switchyard's own data planes; with mode external another proxy serves the pool and is configured its own way: remove spec.proxy"))]
+#[x_kube(validation = Rule::new("!has(self.onRelease) || self.onRelease != 'Revert' || has(self.revertMode)").message("spec.onRelease Revert needs spec.revertMode: the mode released nodes return to (iptables, ipvs or nftables)"))]
+#[x_kube(validation = Rule::new("(!has(self.revertMode) && !has(self.revertTimeoutSeconds)) || (has(self.onRelease) && self.onRelease == 'Revert')").message("spec.revertMode and spec.revertTimeoutSeconds apply only with spec.onRelease Revert"))]
+#[x_kube(validation = Rule::new("!has(self.revertMode) || self.revertMode != self.mode").message("spec.revertMode must differ from spec.mode (nodes already on spec.mode have nothing to revert: use onRelease Keep)"))]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyPolicySpec {
     /// Nodes governed by this policy. An empty selector selects every node. Where policies overlap,
@@ -97,6 +100,28 @@ pub struct ProxyPolicySpec {
     /// Proxy settings for the pool (KubeProxyConfiguration fields).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy: Option<ProxySettings>,
+
+    /// What happens to a node this policy stops governing (the policy is deleted, or the node's
+    /// labels no longer match nodeSelector): Keep (default) leaves it serving in the mode it runs,
+    /// its NodeProxy no longer naming the policy; Revert returns it to revertMode through a
+    /// rollout under this policy's waves, maxUnavailable, failure budget and health gate, and a
+    /// deletion waits for that (finalizer switchyard.dev/revert-on-release), at most
+    /// revertTimeoutSeconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_release: Option<OnRelease>,
+
+    /// With onRelease Revert: the mode released nodes return to (iptables, ipvs or nftables; the
+    /// mode the agents were installed with, which the operator cannot see). Nodes that cannot run
+    /// it keep their mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revert_mode: Option<RevertMode>,
+
+    /// With onRelease Revert: how long a deletion waits for the nodes to be back on revertMode
+    /// (default 1800). Then the finalizer goes anyway, a RevertTimedOut Warning Event names the
+    /// nodes not reverted, and those keep the mode they run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 30, max = 86400))]
+    pub revert_timeout_seconds: Option<u32>,
 }
 
 /// What to do with nodes that cannot run the policy's mode.
