@@ -37,6 +37,7 @@ pub mod advisor;
 pub mod labels;
 pub mod lifecycle;
 mod policy;
+pub mod revert;
 pub mod selector;
 pub mod validate;
 pub mod waves;
