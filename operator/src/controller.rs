@@ -381,7 +381,7 @@ fn error_policy(policy: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) ->
 }
 
 /// The planner's inputs from the caches, with this term's own writes laid over them.
-fn snapshot(ctx: &Context, current: &ProxyPolicy) -> (Vec<PolicyInput>, Vec<NodeInput>, Vec<NodeProxyInput>) {
+pub(crate) fn snapshot(ctx: &Context, current: &ProxyPolicy) -> (Vec<PolicyInput>, Vec<NodeInput>, Vec<NodeProxyInput>) {
     let own = ctx.own.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut policies: Vec<PolicyInput> = ctx
         .stores
@@ -483,6 +483,10 @@ async fn reconcile_policy(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result
     ctx.metrics.reconciles.inc();
     if !ctx.health.is_leader() {
         return Ok(Action::await_change());
+    }
+    // onRelease Revert: the finalizer, and a deleted policy's revert instead of its rollout.
+    if let Some(action) = crate::revert::reconcile(&ctx, &policy).await? {
+        return Ok(action);
     }
     let name = policy.name_any();
     // A NodeProxy re-created with an empty spec gets its spec back before anything is planned.
@@ -605,7 +609,7 @@ pub(crate) async fn apply_spec(
     Ok(result)
 }
 
-async fn publish(ctx: &Context, policy: &ProxyPolicy, event: &PlanEvent) {
+pub(crate) async fn publish(ctx: &Context, policy: &ProxyPolicy, event: &PlanEvent) {
     let ev = Event {
         type_: if event.warning {
             EventType::Warning

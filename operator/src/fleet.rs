@@ -4,6 +4,8 @@
 //!   them, are released as [`crate::planner::lifecycle`] documents (they keep their current mode, the spec
 //!   stops naming the policy, an annotation and an Event say so). A policy missing from the cache is
 //!   confirmed gone with a GET before anything is released (the cache may lag a new policy).
+//!   Nodes of a policy with `onRelease: Revert` return to its `revertMode` first
+//!   ([`crate::revert`]).
 //! - **Re-created NodeProxies**: a NodeProxy deleted and re-created (its agent registers it again
 //!   with an empty spec) gets the last spec the operator wrote for its node back at once,
 //!   including the health gate of a switch in progress ([`restore_recreated`], also run first in
@@ -218,6 +220,8 @@ async fn why_released(ctx: &Context, r: &Release) -> Option<String> {
 async fn release_ungoverned(ctx: &Context) {
     let (policies, nodes, proxies) = inputs(ctx);
     let releases = lifecycle::releases(&policies, &nodes, &proxies);
+    // onRelease Revert: those nodes return to revertMode first.
+    let hold = crate::revert::hold_back(ctx, &policies, &nodes, &proxies).await;
     let cached: BTreeMap<String, Arc<NodeProxy>> = ctx
         .stores
         .proxies
@@ -229,7 +233,7 @@ async fn release_ungoverned(ctx: &Context) {
     // One answer per policy and pass (a deleted policy may have released thousands of nodes).
     let mut verdicts: BTreeMap<(Option<String>, bool), Option<String>> = BTreeMap::new();
     for r in &releases {
-        let Some(np) = cached.get(&r.node) else {
+        let Some(np) = cached.get(&r.node).filter(|_| !hold.contains(&r.node)) else {
             continue;
         };
         let annotation = match &r.policy {
@@ -255,6 +259,11 @@ async fn release_ungoverned(ctx: &Context) {
                 }
             }
         };
+        // The Event goes first: a pass cut short after the write (leadership lost) would never
+        // publish it, as the next pass finds the node released. A failed write publishes again.
+        if r.policy.is_some() {
+            publish(ctx, np, true, "Released", annotation.clone()).await;
+        }
         let annotations = json!({RELEASED_ANNOTATION: annotation});
         match apply_spec(ctx, &r.node, &r.node_uid, json!({}), annotations, &r.spec).await {
             Ok(_) => {
@@ -264,7 +273,6 @@ async fn release_ungoverned(ctx: &Context) {
                     .forget(&r.node);
                 if let Some(p) = &r.policy {
                     tracing::warn!(node = %r.node, policy = %p.name, keeps = ?r.keeps, switching = r.switching, "released a NodeProxy no policy governs: {annotation}");
-                    publish(ctx, np, true, "Released", annotation.clone()).await;
                     released.entry(p.name.clone()).or_default().push(format!(
                         "{}={}",
                         r.node,

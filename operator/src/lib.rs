@@ -58,6 +58,8 @@
 //!   proxy's DaemonSet start on nodes handed to it (mode `external`).
 //! - [`fleet`]: releasing nodes whose policy is gone ([`planner::lifecycle`] documents the outcome)
 //!   and restoring the spec of re-created NodeProxies.
+//! - [`revert`]: `onRelease: Revert` (the finalizer; a deleted policy's nodes, and nodes that left
+//!   a live one's pool, return to `revertMode` through a rollout first: [`planner::revert`]).
 //! - [`decode`]: typed views of untyped watches (one undecodable object never fails a list).
 //! - [`context`], [`metrics`], [`error`].
 //!
@@ -82,5 +84,6 @@ pub mod metrics;
 pub mod node_labels;
 pub use switchyard_planner as planner;
 pub mod retry;
+pub mod revert;
 
 pub use error::{Error, Result};
