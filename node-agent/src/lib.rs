@@ -16,6 +16,7 @@ pub mod measurements;
 pub mod metrics;
 pub mod model;
 pub mod node_sysctls;
+pub mod preflight;
 pub mod probe;
 pub mod report;
 pub mod runtime;

@@ -108,6 +108,8 @@ impl Metrics {
         };
         m.register_kube_proxy(&mut registry);
         m.register_switchyard(&mut registry);
+        // kube-proxy's nfacct counters, read from the kernel at each scrape.
+        registry.register_collector(Box::new(crate::preflight::NfacctCollector));
         m.apiserver_reachable.set(1);
         Self { registry, ..m }
     }

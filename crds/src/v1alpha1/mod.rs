@@ -4,6 +4,7 @@ mod advice;
 mod common;
 mod node_proxy;
 mod on_release;
+mod preflight;
 mod proxy_policy;
 mod switch_outcome;
 
@@ -11,5 +12,6 @@ pub use advice::*;
 pub use common::*;
 pub use node_proxy::*;
 pub use on_release::*;
+pub use preflight::*;
 pub use proxy_policy::*;
 pub use switch_outcome::*;

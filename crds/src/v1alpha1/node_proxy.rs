@@ -268,6 +268,11 @@ pub struct NodeProxyStatus {
     /// The mode advisor's recommendation for this node, from `measurements` and `capabilities`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub advice: Option<super::ModeAdvice>,
+    /// What the migration preflight reads on this node (localhost NodePort and conntrack-invalid
+    /// counters, tcp_be_liberal, NodePort addresses, kernel); the planner judges them against a
+    /// policy's mode before the node switches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preflight_facts: Option<super::PreflightFacts>,
     /// `Healthy`: True while the node runs its desired mode and the last switch for the current
     /// rollout token passed its health gate; False with the reason (`Switching`, `RolledBack`,
     /// `Failed`) otherwise.

@@ -189,6 +189,11 @@ pub struct Rollout {
     #[serde(default)]
     #[schemars(range(min = 0, max = 10000))]
     pub max_failures: u32,
+
+    /// The migration preflight: findings judged on each node before its switch, and the ones
+    /// this policy accepts. A node with a blocking finding not accepted here is held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preflight: Option<super::Preflight>,
 }
 
 impl Default for Rollout {
@@ -200,6 +205,7 @@ impl Default for Rollout {
             window: None,
             failure_policy: FailurePolicy::default(),
             max_failures: 0,
+            preflight: None,
         }
     }
 }

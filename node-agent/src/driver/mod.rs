@@ -187,6 +187,11 @@ impl Driver {
             .or_insert_with(|| factory.build(mode, settings))
     }
 
+    /// The settings the backends are built with.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
     /// New settings (node addresses, CIDR): rebuild the backends, next sync is full.
     pub fn set_settings(&mut self, settings: Settings) {
         if settings != self.settings {

@@ -165,6 +165,8 @@ pub(super) fn status(
         // The mode advisor's, laid over by the reporter (published at its own pace).
         measurements: None,
         advice: None,
+        // Measured by the reporter when it applies the status.
+        preflight_facts: None,
         conditions,
     }
 }
@@ -310,6 +312,13 @@ impl StatusReporter {
             status.measurements = Some(measurements.clone());
             status.advice = Some(advice.clone());
         }
+        let readings = crate::preflight::Readings::read(&self.capabilities.kernel_version);
+        status.preflight_facts = Some(crate::preflight::facts(
+            d.state.active,
+            d.settings(),
+            &readings,
+            now_time(),
+        ));
         for c in &self.extra {
             let mut c = c.clone();
             c.observed_generation = wish.generation;

@@ -232,6 +232,23 @@ impl Iptables {
     /// `iptables-restore -w 5 --noflush --counters` with `input` on stdin. On failure the error
     /// names the input line the tool refused when it says which.
     pub fn restore(&self, input: &str) -> Result<(), IptablesError> {
+        // The nfacct counters a rule counts into must exist before the rule (kube-proxy's names);
+        // a kernel without nfacct gets the rules without the count, as kube-proxy does.
+        let uncounted: Vec<&str> = super::nfacct::names_in(input)
+            .into_iter()
+            .filter(|name| {
+                super::nfacct::in_netns(self.netns(), || super::nfacct::ensure(name))
+                    .map_err(|e| super::nfacct::warn_once(name, &e))
+                    .is_err()
+            })
+            .collect();
+        let counted;
+        let input = if uncounted.is_empty() {
+            input
+        } else {
+            counted = super::nfacct::without(input, &uncounted);
+            counted.as_str()
+        };
         match self.run_ok(
             "iptables-restore",
             &["-w", LOCK_WAIT_SECONDS, "--noflush", "--counters"],

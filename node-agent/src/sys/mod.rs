@@ -11,6 +11,7 @@ pub mod iptables;
 pub mod ipvs;
 pub mod link;
 pub mod netlink;
+pub mod nfacct;
 pub mod nft;
 pub mod sysctl;
 

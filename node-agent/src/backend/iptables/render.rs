@@ -275,6 +275,34 @@ pub fn forward_rules(mark: u32) -> [String; 3] {
     ]
 }
 
+/// iptables mode's forward-chain rules: [`forward_rules`] with the conntrack-invalid drop counted
+/// into kube-proxy's nfacct counter (`kubeproxy_iptables_ct_state_invalid_dropped_packets_total`,
+/// the migration preflight's measure of what nftables mode would let through). `iptables-save`
+/// prints two spaces before the name.
+pub fn counted_forward_rules(mark: u32) -> [String; 3] {
+    let [_, marked, established] = forward_rules(mark);
+    [
+        format!(
+            "-m conntrack --ctstate INVALID -m nfacct --nfacct-name  {} -j DROP",
+            crate::sys::nfacct::CT_STATE_INVALID_DROPPED
+        ),
+        marked,
+        established,
+    ]
+}
+
+/// Counts the packets of NodePort connections made to `127.0.0.0/8` (both directions: they are
+/// DNATed from a loopback destination) into kube-proxy's nfacct counter
+/// (`kubeproxy_iptables_localhost_nodeports_accepted_packets_total`), in `SWY-FIREWALL` after the
+/// guard; no verdict.
+pub fn localhost_counter_rule() -> String {
+    format!(
+        "-A {FIREWALL} {} -m conntrack --ctstate DNAT --ctorigdst 127.0.0.0/8 -m nfacct --nfacct-name  {}",
+        comment("count localhost nodeport packets"),
+        crate::sys::nfacct::LOCALHOST_NODEPORTS_ACCEPTED
+    )
+}
+
 /// The postrouting-chain rules of every iptables-based backend: masquerade what carries `mark`,
 /// clearing the mark first.
 pub fn postrouting_rules(mark: u32) -> [String; 3] {
@@ -303,7 +331,7 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
     let mark = settings.masquerade_mark;
 
     // Fixed rules.
-    for rule in forward_rules(mark) {
+    for rule in counted_forward_rules(mark) {
         filter.add(FORWARD, rule);
     }
     for rule in postrouting_rules(mark) {
@@ -334,7 +362,9 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
     let localhost = serves_localhost_node_ports(settings, snapshot.family);
     if localhost {
         let guard = localnet_guard_rule();
-        filter.chains.entry(FIREWALL.to_owned()).or_default().push(guard);
+        let firewall = filter.chains.entry(FIREWALL.to_owned()).or_default();
+        firewall.push(guard);
+        firewall.push(localhost_counter_rule());
     }
     match settings.node_port_addresses(snapshot.family) {
         // Every local address; loopback only with localhost NodePorts (IPv4 with route_localnet

@@ -358,8 +358,10 @@ fn iptables_render_is_deterministic_and_counts() {
             .nth(1)
             .and_then(|t| t.split(' ').next())
             .unwrap_or("");
+        // A rule without a verdict only counts (the localhost NodePort nfacct rule).
         assert!(
-            declared.contains(target)
+            !line.contains(" -j ")
+                || declared.contains(target)
                 || ["ACCEPT", "DROP", "REJECT", "RETURN", "MARK", "MASQUERADE", "DNAT"].contains(&target),
             "dangling jump: {line}"
         );
