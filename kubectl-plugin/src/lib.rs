@@ -28,6 +28,7 @@ use switchyard_planner::{self as planner, APPROVE_PREFIX, NodeInput, NodeProxyIn
 pub use switchyard_planner::ROLLBACK_ANNOTATION;
 
 pub mod advise;
+pub mod preflight;
 
 /// Errors of the plugin.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +97,9 @@ pub struct NodeRow {
     /// The policy generation whose `spec.proxy` it runs (none while it switches, or not this
     /// policy's): settings changes roll out in waves, so nodes waiting for theirs show an older one.
     pub settings_generation: Option<i64>,
+    /// Its migration preflight findings ([`preflight`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preflight: Vec<preflight::FindingRow>,
 }
 
 /// One wave of a plan.
@@ -250,6 +254,7 @@ fn report(
             target: n.target.map(|m| m.to_string()),
             reason: n.reason.clone(),
             settings_generation: n.settings_generation,
+            preflight: n.preflight.iter().map(preflight::FindingRow::from).collect(),
         })
         .collect();
     let condition = |t: &str| pp.status.conditions.iter().find(|c| c.type_ == t);
@@ -378,6 +383,7 @@ pub fn render_plan(r: &PlanReport) -> String {
         &["NODE", "WAVE", "STATE", "ACTIVE", "TARGET", "SETTINGS", "REASON"],
         &nodes,
     ));
+    out.push_str(&preflight::render_findings(&r.nodes));
     out
 }
 

@@ -37,6 +37,7 @@ pub mod advisor;
 pub mod labels;
 pub mod lifecycle;
 mod policy;
+pub mod preflight;
 pub mod revert;
 pub mod selector;
 pub mod validate;
@@ -256,6 +257,9 @@ pub struct NodePlan {
     /// The policy generation whose `spec.proxy` the node runs (`None`: not this policy's, or
     /// still being switched to).
     pub settings_generation: Option<i64>,
+    /// Migration preflight findings of a node still to switch ([`preflight`]); one that
+    /// [`holds`](preflight::Finding::holds) keeps it from its wave.
+    pub preflight: Vec<preflight::Finding>,
 }
 
 /// A NodeProxy spec the operator must apply (server-side apply, field manager

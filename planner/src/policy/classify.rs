@@ -40,6 +40,8 @@ pub(crate) struct View<'a> {
     pub settings_pending: bool,
     /// The policy generation whose `spec.proxy` it runs (see [`crate::NodePlan`]).
     pub settings_generation: Option<i64>,
+    /// Migration preflight findings, for a pending node that changes mode ([`crate::preflight`]).
+    pub preflight: Vec<crate::preflight::Finding>,
 }
 
 impl<'a> View<'a> {
@@ -58,6 +60,7 @@ impl<'a> View<'a> {
             updated: false,
             settings_pending: false,
             settings_generation: None,
+            preflight: Vec::new(),
         }
     }
 }
@@ -166,7 +169,31 @@ impl Release {
 pub(crate) fn classify<'a>(p: &PolicyInput, node: &'a NodeInput, np: Option<&'a NodeProxyInput>) -> View<'a> {
     let mut v = classify_mode(p, node, np);
     v.settings_generation = settings_generation(p, &v);
+    v.preflight = preflight(p, &v);
     v
+}
+
+/// The preflight findings of a node still to switch: judged only while it is Pending (a released
+/// node is never held back), against the mode it runs.
+fn preflight(p: &PolicyInput, v: &View<'_>) -> Vec<crate::preflight::Finding> {
+    let (Some(target), NodeState::Pending) = (v.target, v.state) else {
+        return Vec::new();
+    };
+    let status = v.np.and_then(|n| n.status.as_ref());
+    let accept = p
+        .spec
+        .rollout
+        .preflight
+        .as_ref()
+        .map(|pf| pf.accept.as_slice())
+        .unwrap_or_default();
+    crate::preflight::judge(
+        status.and_then(|s| s.active_mode),
+        target,
+        p.spec.proxy.as_ref(),
+        status.and_then(|s| s.preflight_facts.as_ref()),
+        accept,
+    )
 }
 
 /// The generation whose settings the node runs: this one when its spec has the policy's, else

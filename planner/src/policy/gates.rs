@@ -263,6 +263,8 @@ fn open_run(walk: &Walk<'_, '_>, w: usize, g: &mut Gates) -> WaveRun {
         for &i in walk.waves.members[w]
             .iter()
             .filter(|&&i| views[i].state == NodeState::Pending && views[i].available)
+            // A blocking preflight finding holds the node (PreflightPassed says why).
+            .filter(|&&i| !views[i].preflight.iter().any(crate::preflight::Finding::holds))
             .take(room)
         {
             g.admit[i] = true;

@@ -126,7 +126,8 @@ pub(super) fn plan_policy(
     let gates = gates::gates(p, &views, &waves, &budget, &findings, now);
     let writes = writes::writes(p, &views, &budget, &gates);
     let summary = status::summarize(p, &views, &waves, &budget, &gates);
-    let conditions = conditions::conditions(p, &summary, &budget, &gates, lost, &findings, now);
+    let mut conditions = conditions::conditions(p, &summary, &budget, &gates, lost, &findings, now);
+    conditions.push(preflight_condition(p, &views, now));
     let status = summary.status(p.generation, conditions);
     let events = events::events(p, &status, &summary.message, &views, &budget);
     PolicyPlan {
@@ -137,6 +138,23 @@ pub(super) fn plan_policy(
         writes,
         events,
     }
+}
+
+/// `PreflightPassed` over the views' findings ([`crate::preflight`]).
+fn preflight_condition(
+    p: &PolicyInput,
+    views: &[View<'_>],
+    now: Timestamp,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    let previous = p
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
+    let nodes = views
+        .iter()
+        .map(|v| (v.node.name.as_str(), v.preflight.as_slice()));
+    crate::preflight::condition(nodes, previous, p.generation, now)
 }
 
 /// When to look again even if nothing changes.
@@ -168,6 +186,7 @@ fn node_plans(views: &[View<'_>], waves: &Waves<'_>, budget: &Budget, gates: &Ga
             target: v.target,
             reason: v.reason.clone(),
             settings_generation: status::settings_generation(views, budget, gates, i),
+            preflight: v.preflight.clone(),
         })
         .collect()
 }
