@@ -27,8 +27,9 @@ KDEB_VERSION=6.1.192-3
 TIMEOUT=${SWITCHYARD_IPVS_VM_TIMEOUT:-600}
 MEM=${SWITCHYARD_IPVS_VM_MEM:-512}
 # libtest name filters, comma-separated (a test runs when its name contains any of them; only
-# #[ignore]d tests run): the IPVS tests and the SCTP ones (nftables and iptables backends).
-FILTER=${SWITCHYARD_IPVS_VM_FILTER:-backend::ipvs::tests::vm::,backend::sctp_vm_tests::}
+# #[ignore]d tests run): the IPVS tests, the SCTP ones (nftables and iptables backends) and
+# the runtime's strictARP sysctls.
+FILTER=${SWITCHYARD_IPVS_VM_FILTER:-backend::ipvs::tests::vm::,backend::sctp_vm_tests::,runtime::sysctls::tests::vm_}
 
 t0=$(date +%s.%N)
 log() { echo "[ipvs-vm] $*" >&2; }
@@ -89,6 +90,7 @@ kernel=$vmlinux
 
 # --- base initramfs (modules, busybox, ip, ipset, iptables-legacy, ipvsadm, /init) -------------
 modules="ip_vs ip_vs_rr ip_vs_wrr ip_vs_lc ip_vs_wlc ip_vs_sh ip_vs_dh ip_vs_sed ip_vs_nq ip_vs_mh
+  ip_vs_lblc ip_vs_lblcr ip_vs_fo ip_vs_ovf
   veth dummy ip_tables iptable_filter iptable_nat xt_MASQUERADE xt_mark xt_comment xt_conntrack
   xt_addrtype xt_set ipt_REJECT ip_set ip_set_hash_ip ip_set_hash_ipport ip_set_hash_ipportip
   ip_set_hash_ipportnet ip_set_bitmap_port nf_tables nft_chain_nat nft_nat nft_ct nft_masq nft_reject_ipv4

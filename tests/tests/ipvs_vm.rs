@@ -66,6 +66,15 @@ const MUST_SHOW: [&str; 35] = [
     "VMTEST conformance: IPVS table refusals [0, 17, 2, 2, 2, 2, 0, 17, 2, 2, 0, 0, 0, 2, 0] equal the fake's",
 ];
 
+/// Lines of the `proxy.ipvs` cases (`backend::ipvs::tests::vm::settings`, and strictARP in
+/// `runtime::sysctls`): each field set through the backend's settings and read back from the kernel.
+const SETTINGS_MUST_SHOW: [&str; 4] = [
+    "VMTEST settings scheduler: 13 schedulers [\"rr\", \"wrr\", \"lc\", \"wlc\", \"lblc\", \"lblcr\", \"sh\", \"dh\", \"sed\", \"nq\", \"fo\", \"ovf\", \"mh\"] each on all ",
+    "VMTEST settings timeouts: GET_CONFIG Timeouts { tcp: 900, tcp_fin: 120, udp: 300 } -> Timeouts { tcp: 3600, tcp_fin: 120, udp: 45 } (tcpFin 0 left alone); ipvsadm: Timeout (tcp tcpfin udp): 3600 120 45",
+    "VMTEST settings excludeCIDRs: 10.96.9.9:80 unchanged after sync and cleanup",
+    "VMTEST strictARP: arp_ignore/arp_announce (0, 1) -> (1, 2) while IPVS serves with it; (0, 1) again when the policy stops asking and after --cleanup",
+];
+
 /// The SCTP servers (`sctp_vm_tests::SERVERS`).
 const SCTP_SERVERS: [&str; 2] = ["sctp-ep1", "sctp-ep2"];
 
@@ -188,6 +197,7 @@ fn ipvs_backend_in_a_debian_kernel_vm() {
     );
     let missing: Vec<&str> = MUST_SHOW
         .iter()
+        .chain(&SETTINGS_MUST_SHOW)
         .copied()
         .filter(|m| !stdout.contains(m))
         .collect();
