@@ -21,6 +21,13 @@ pub struct ModeLabel {
     pub mode: String,
 }
 
+/// Label: what the idle check found.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CheckResult {
+    /// `intact` (no sync needed) or `changed` (a full resync followed).
+    pub result: String,
+}
+
 /// Label: HTTP status code.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {
@@ -59,6 +66,9 @@ pub struct Metrics {
     pub livez_total: Family<CodeLabel, Counter>,
     /// switchyard_sync_failures_total{mode}.
     pub sync_failures: Family<ModeLabel, Counter>,
+    /// switchyard_idle_checks_total{result}: checks of our rules in the kernel after an idle sync
+    /// period, by what they found.
+    pub idle_checks: Family<CheckResult, Counter>,
     /// switchyard_programmed_services{mode}.
     pub programmed_services: Family<ModeLabel, Gauge>,
     /// switchyard_sync_objects_written{mode}: kernel objects written by the last sync.
@@ -98,6 +108,7 @@ impl Metrics {
             healthz_total: Family::default(),
             livez_total: Family::default(),
             sync_failures: Family::default(),
+            idle_checks: Family::default(),
             programmed_services: Family::default(),
             objects_written: Family::default(),
             apiserver_reachable: Gauge::default(),
@@ -181,6 +192,11 @@ impl Metrics {
             "switchyard_sync_failures",
             "Syncs that failed, by mode",
             m.sync_failures.clone(),
+        );
+        registry.register(
+            "switchyard_idle_checks",
+            "Checks of our rules in the kernel after an idle sync period (instead of a full resync), by result: intact, or changed (a full resync followed)",
+            m.idle_checks.clone(),
         );
         registry.register(
             "switchyard_programmed_services",

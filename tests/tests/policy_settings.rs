@@ -5,8 +5,11 @@
 //! timeouts and `tcp_be_liberal` reach the node namespace's `/proc/sys/net/netfilter`, the
 //! host-global `nf_conntrack_max` is refused there and reported in the `ConntrackSysctls`
 //! condition, and every value is put back when the policy drops them), and `syncPeriodSeconds`
-//! (periodic full syncs, counted by `kubeproxy_sync_full_proxy_rules_duration_seconds_count`). The
-//! agent is never restarted; at the end, `--cleanup` puts back the values of a stopped agent.
+//! (on an idle node, a check of our rules in the kernel every period, counted by
+//! `switchyard_idle_checks_total`; our table deleted behind the agent's back is found by the next
+//! check and restored by a full resync, which `kubeproxy_sync_full_proxy_rules_duration_seconds_count`
+//! counts). The agent is never restarted; at the end, `--cleanup` puts back the values of a
+//! stopped agent.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -95,15 +98,32 @@ fn sysctl(netns: &str, name: &str) -> String {
         .to_owned()
 }
 
-/// The agent's count of full syncs.
-fn full_syncs(netns: &str) -> Option<u64> {
+/// The value of the agent's metric `series` (name and labels); 0 for a counter not created yet
+/// while the metrics answer.
+fn metric(netns: &str, series: &str) -> Option<u64> {
     let addr = SocketAddr::new("127.0.0.1".parse().ok()?, 10249);
     let (200, text) = http_get(netns, addr, "/metrics").ok()? else {
         return None;
     };
-    text.lines()
-        .find_map(|l| l.strip_prefix("kubeproxy_sync_full_proxy_rules_duration_seconds_count "))
-        .and_then(|v| v.trim().parse().ok())
+    let found = text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')
+            .and_then(|v| v.trim().parse().ok())
+    });
+    Some(found.unwrap_or(0))
+}
+
+/// The agent's count of full syncs.
+fn full_syncs(netns: &str) -> Option<u64> {
+    metric(netns, "kubeproxy_sync_full_proxy_rules_duration_seconds_count")
+}
+
+/// The agent's count of idle checks that found `result` (`intact`, `changed`).
+fn idle_checks(netns: &str, result: &str) -> Option<u64> {
+    metric(
+        netns,
+        &format!("switchyard_idle_checks_total{{result=\"{result}\"}}"),
+    )
 }
 
 /// The node's `ConntrackSysctls` condition (status, reason, message).
@@ -291,16 +311,42 @@ async fn policy_settings_reach_the_node_without_a_restart() {
     let refusals = agent.log_text().matches(REFUSED).count();
     assert!(refusals >= 1, "the refusal is logged:\n{}", agent.log_text());
 
-    // syncPeriodSeconds 2: an idle node fully resyncs every 2 s (with the flag's 30 s, at most two
-    // would fit in the bound). Counted from now, so the syncs the policy's arrival caused do not
-    // count.
-    let base = until(agent, "the full-sync metric", || async { full_syncs(netns) }).await;
-    let start = std::time::Instant::now();
-    let count = until(agent, "five periodic full syncs", || async {
-        full_syncs(netns).filter(|n| *n >= base + 5)
+    // syncPeriodSeconds 2: an idle node checks its rules every 2 s (with the flag's 30 s, at
+    // most two checks would fit in the bound), and does not resync in full while they are intact.
+    let checks = until(agent, "the idle-check metric", || async {
+        idle_checks(netns, "intact")
     })
     .await;
-    println!("full syncs {base} -> {count} in {:?}", start.elapsed());
+    let fulls = until(agent, "the full-sync metric", || async { full_syncs(netns) }).await;
+    let start = std::time::Instant::now();
+    let count = until(agent, "five idle checks", || async {
+        idle_checks(netns, "intact").filter(|n| *n >= checks + 5)
+    })
+    .await;
+    let fulls_after = until(agent, "the full-sync metric", || async { full_syncs(netns) }).await;
+    println!(
+        "idle checks {checks} -> {count} in {:?}, full syncs {fulls} -> {fulls_after}",
+        start.elapsed()
+    );
+    assert_eq!(fulls_after, fulls, "intact rules are not resynced in full");
+    // Our table deleted behind the agent's back: the next check finds it, a full resync restores it.
+    let served = programmed(netns);
+    let changed = until(agent, "the idle-check metric", || async {
+        idle_checks(netns, "changed")
+    })
+    .await;
+    Cluster::exec(netns, &["nft", "delete", "table", "ip", "switchyard"]).expect("delete our table");
+    assert_eq!(programmed(netns), (false, false), "the table is gone");
+    let start = std::time::Instant::now();
+    until(agent, "the table restored by a full resync", || async {
+        let found = idle_checks(netns, "changed")? > changed;
+        (found && full_syncs(netns)? > fulls_after && programmed(netns) == served).then_some(())
+    })
+    .await;
+    println!(
+        "our table deleted behind the agent's back: restored in {:?} ({served:?} served)",
+        start.elapsed()
+    );
     let again = agent.log_text().matches(REFUSED).count();
     assert_eq!(again, refusals, "a refusal is logged once, not at every sync");
 

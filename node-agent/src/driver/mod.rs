@@ -316,6 +316,30 @@ impl Driver {
         Ok(stats)
     }
 
+    /// Whether the backends this driver programs still hold their rules, by each one's cheap
+    /// check ([`Backend::intact`]); a check that fails counts as "not intact" (logged), so the
+    /// next sync is full.
+    pub fn rules_intact(&mut self) -> bool {
+        let active = self.state.active;
+        let target = self
+            .state
+            .target
+            .filter(|t| *t != active && self.backends.contains_key(t));
+        [Some(active), target].into_iter().flatten().all(|mode| {
+            match self.backend(mode).intact() {
+                Ok(true) => true,
+                Ok(false) => {
+                    tracing::warn!(%mode, "our rules changed under us since the last sync: syncing in full");
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!(%mode, error = %e, "cannot check our rules in the kernel: syncing in full");
+                    false
+                }
+            }
+        })
+    }
+
     /// What the kernel holds of each backend, read back; a backend that cannot be read counts as
     /// absent (logged).
     fn kernel_view(&self) -> Vec<(ProxyMode, Presence)> {

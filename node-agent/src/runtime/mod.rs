@@ -294,7 +294,7 @@ impl SyncLoop {
     /// report.
     async fn round(&mut self, mut d: Driver, Input { wish, settings, .. }: Input) -> Result<Driver> {
         d.update_settings(settings.clone());
-        let full = self.runner.begin(Instant::now());
+        let (d, full) = self.full_sync_wanted(d).await?;
         let (snapshot, changes) = {
             let mut t = lock(&self.shared.tracker);
             (t.shared_snapshot(), t.take_changes())
@@ -315,6 +315,27 @@ impl SyncLoop {
                 Ok(d)
             }
         }
+    }
+
+    /// Whether this round's sync is full: the runner's answer, and after an idle sync period the
+    /// backends' cheap check of our rules (kube-proxy's canary check; counted by
+    /// `switchyard_idle_checks_total`), which asks for a full resync only when they changed.
+    async fn full_sync_wanted(&mut self, d: Driver) -> Result<(Driver, bool)> {
+        let idle = self.runner.take_idle();
+        if self.runner.begin(Instant::now()) {
+            return Ok((d, true));
+        }
+        if !idle || d.switching() {
+            return Ok((d, false));
+        }
+        let (d, intact) = on_blocking_thread("idle check", d, Driver::rules_intact).await?;
+        let result = if intact { "intact" } else { "changed" };
+        self.shared
+            .metrics
+            .idle_checks
+            .get_or_create(&crate::metrics::CheckResult { result: result.into() })
+            .inc();
+        Ok((d, !intact))
     }
 
     /// After a successful sync: takeover, one switch step, registration and the status report.

@@ -12,6 +12,7 @@
 //! | `verify_empty_after_sync` | `verify` finds no drift after full and partial syncs |
 //! | `cleanup_twice_leaves_nothing` | cleanup is idempotent and removes every object |
 //! | `cleanup_collects_every_error` | a failing part does not stop cleanup of the others; every failure is reported |
+//! | `intact_until_disturbed` | the idle check (`intact`) holds after syncs and through a bypass, fails once the entry points are removed behind the backend's back, and holds again after a full sync |
 //!
 //! [`kits_agree`] checks a fake against the kernel on the same syncs (root).
 
@@ -32,6 +33,11 @@ pub trait Subject {
     fn owned(&self) -> String;
     /// Makes the next `n` kernel writes fail.
     fn fail_writes(&mut self, n: usize);
+    /// Removes the backend's entry points behind its back, as a firewall reload or another tool
+    /// would; `false`: this kit cannot (then its backend must have no cheap `intact` check).
+    fn disturb(&mut self) -> bool {
+        false
+    }
 }
 
 /// How to make subjects of one backend on one kind of kernel.
@@ -154,6 +160,40 @@ pub fn verify_empty_after_sync<K: Kit>(kit: &K) {
     });
 }
 
+/// The idle check: `intact` after full and partial syncs and through a bypass; not once the entry
+/// points are removed behind the backend's back; again after the full sync that follows. A
+/// backend without a cheap check answers `false` always (IPVS: its full resync stays).
+pub fn intact_until_disturbed<K: Kit>(kit: &K) {
+    let before = kit.scenario();
+    let (after, changes) = fixtures::changed(&before);
+    kit.with_subject(|s| {
+        full_sync(s, &before);
+        if !s.backend().intact().expect("intact") {
+            assert_eq!(
+                s.backend().mode(),
+                switchyard_crds::v1alpha1::ProxyMode::Ipvs,
+                "only IPVS has no cheap check"
+            );
+            return;
+        }
+        s.backend().sync(&after, &changes, false).expect("partial sync");
+        assert!(s.backend().intact().expect("intact"), "after a partial sync");
+        s.backend().set_bypass(true).expect("bypass");
+        assert!(s.backend().intact().expect("intact"), "bypassed as asked");
+        s.backend().set_bypass(false).expect("lift the bypass");
+        assert!(
+            s.disturb(),
+            "a backend with a cheap check needs a kit that can disturb it"
+        );
+        assert!(
+            !s.backend().intact().expect("intact"),
+            "entry points removed behind its back"
+        );
+        full_sync(s, &after);
+        assert!(s.backend().intact().expect("intact"), "restored by the full sync");
+    });
+}
+
 /// Cleanup is idempotent and removes every object of the backend.
 pub fn cleanup_twice_leaves_nothing<K: Kit>(kit: &K) {
     let before = kit.scenario();
@@ -265,6 +305,11 @@ macro_rules! conformance_suite {
         $(#[$attr])*
         fn cleanup_collects_every_error() {
             $crate::backend::conformance::suite::cleanup_collects_every_error(&$kit);
+        }
+        #[test]
+        $(#[$attr])*
+        fn intact_until_disturbed() {
+            $crate::backend::conformance::suite::intact_until_disturbed(&$kit);
         }
     };
     ($kit:expr, ignore = $why:literal) => {

@@ -488,6 +488,33 @@ impl<I: SaveRestore> FamilyTables<I> {
         Ok(())
     }
 
+    /// The cheap check after an idle period: every base-chain jump as `bypassed` wants it, read
+    /// from the base chains alone (a jump keeps its target chain from being deleted, and a table
+    /// flush or a firewall reload removes the jumps). Nothing programmed here: nothing to check.
+    fn intact(&self, bypassed: bool) -> Result<bool, BackendError> {
+        if self.filter_chains.is_empty() && self.nat_chains.is_empty() {
+            return Ok(true);
+        }
+        let mut base: Vec<(Table, &str, String)> = Vec::new();
+        for rule in &JUMP_RULES {
+            if !base.iter().any(|(t, c, _)| *t == rule.table && *c == rule.chain) {
+                base.push((
+                    rule.table,
+                    rule.chain,
+                    self.ipt.chain_rules(rule.table, rule.chain)?,
+                ));
+            }
+        }
+        let text = |table: Table| -> String {
+            base.iter()
+                .filter(|(t, _, _)| *t == table)
+                .map(|(_, _, rules)| rules.as_str())
+                .collect()
+        };
+        let (filter, nat) = jump_edits(bypassed, &text(Table::Filter), &text(Table::Nat));
+        Ok(filter.is_empty() && nat.is_empty())
+    }
+
     fn verify(&self) -> Result<Vec<String>, BackendError> {
         let mut drift = Vec::new();
         if self.filter_chains.is_empty() && self.nat_chains.is_empty() && self.ipt.family() == IpFamily::V6 {
@@ -606,5 +633,14 @@ impl<I: SaveRestore, S: Sysctl> Backend for IptablesProxier<I, S> {
             drift.extend(tables.verify()?);
         }
         Ok(drift)
+    }
+
+    fn intact(&self) -> Result<bool, BackendError> {
+        for tables in &self.families {
+            if !tables.intact(self.bypassed)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 }

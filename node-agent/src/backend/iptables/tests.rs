@@ -846,6 +846,23 @@ impl Subject for FakeSubject {
     fn fail_writes(&mut self, n: usize) {
         fail_writes(&mut self.0, n);
     }
+    fn disturb(&mut self) -> bool {
+        remove_prerouting_jump(self.0.tools_mut(IpFamily::V4))
+    }
+}
+
+/// Deletes our nat PREROUTING jump behind the backend's back (as `iptables -t nat -F PREROUTING`
+/// would).
+fn remove_prerouting_jump(tools: &mut impl SaveRestore) -> bool {
+    let rule = super::JUMP_RULES
+        .iter()
+        .find(|r| r.table == Table::Nat && r.chain == "PREROUTING")
+        .expect("the PREROUTING jump");
+    let removed = tools
+        .remove_rule(Table::Nat, "PREROUTING", &rule.spec())
+        .expect("remove the jump");
+    assert_eq!(removed, 1, "our jump was there once");
+    true
 }
 
 struct FakeKit;
@@ -882,6 +899,9 @@ impl Subject for KernelSubject {
     }
     fn fail_writes(&mut self, n: usize) {
         fail_writes(&mut self.0, n);
+    }
+    fn disturb(&mut self) -> bool {
+        remove_prerouting_jump(self.0.tools_mut(IpFamily::V4))
     }
 }
 

@@ -668,6 +668,26 @@ impl<N: NfTables> Backend for Nftables<N> {
         }
         Ok(drift)
     }
+
+    /// Every chain of the last sync in place (a chain listing per family, no rules or elements)
+    /// and the bypass as it was left.
+    fn intact(&self) -> Result<bool, BackendError> {
+        if !self.verify()?.is_empty() {
+            return Ok(false);
+        }
+        let v4_programmed = self
+            .tables
+            .iter()
+            .any(|t| t.family == IpFamily::V4 && t.programmed);
+        if !v4_programmed {
+            return Ok(true);
+        }
+        let bypassed = self
+            .nft
+            .rule_comment_exists(IpFamily::V4, BYPASS_COMMENT)
+            .map_err(kernel)?;
+        Ok(bypassed == self.bypassed)
+    }
 }
 
 #[cfg(test)]

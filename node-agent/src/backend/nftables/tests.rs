@@ -320,6 +320,17 @@ impl Subject for FakeSubject {
     fn fail_writes(&mut self, n: usize) {
         self.0.adapter_mut().fail_next(n);
     }
+    fn disturb(&mut self) -> bool {
+        delete_v4_table(self.0.adapter_mut())
+    }
+}
+
+/// `delete table ip switchyard` through `nft`, behind the backend's back.
+fn delete_v4_table(nft: &mut impl NfTables) -> bool {
+    let mut batch = Batch::new(IpFamily::V4);
+    batch.delete_table();
+    nft.apply(batch).expect("delete the table");
+    true
 }
 
 struct FakeKit;
@@ -355,6 +366,9 @@ impl Subject for KernelSubject {
     }
     fn fail_writes(&mut self, n: usize) {
         self.0.adapter_mut().fail_next(n);
+    }
+    fn disturb(&mut self) -> bool {
+        delete_v4_table(self.0.adapter_mut())
     }
 }
 
