@@ -4,17 +4,84 @@
 //! kubelet owns (`KUBE-FIREWALL`, `KUBE-KUBELET-CANARY`, `KUBE-IPTABLES-HINT`, `KUBE-MARK-DROP`)
 //! are kept, as kube-proxy's own cleanup keeps them. [`kube_proxy_found`] tells, read only,
 //! whether kube-proxy serves the node (mode `external` waits for it before bypassing Switchyard).
+//!
+//! kube-proxy's IPVS mode leaves more ([`ipvs_leftovers`]): the dummy link `kube-ipvs0` with the
+//! service addresses, its virtual servers, and its `KUBE-*` ipsets. A virtual server on an address
+//! of `kube-ipvs0` that our own link (`swy-ipvs0`) does not also hold is kube-proxy's and is
+//! deleted; one our IPVS backend wants has the same identity and was adopted by our first sync
+//! (its real servers rewritten in place, so open connections keep their entries), and the address
+//! stays local on our link when `kube-ipvs0` goes. The ipsets go last, once no rule of either
+//! variant references them.
+
+use std::{collections::BTreeSet, net::IpAddr};
 
 use crate::{
     model::IpFamily,
     sys::{
         self,
         iptables::{Iptables, Table, Variant},
+        ipvs::{IpvsTable, KernelIpvs, Op, ServiceKey, VirtualAddr},
     },
 };
 
+/// kube-proxy's IPVS dummy link.
+pub const KUBE_IPVS_LINK: &str = "kube-ipvs0";
+
+/// kube-proxy's IPVS-mode ipsets (pkg/proxy/ipvs `ipsetInfo`); its IPv6 sets are the same names
+/// with `KUBE-6-` for `KUBE-`, cut to 31 characters.
+const KUBE_IPSETS: [&str; 19] = [
+    "KUBE-LOOP-BACK",
+    "KUBE-CLUSTER-IP",
+    "KUBE-EXTERNAL-IP",
+    "KUBE-EXTERNAL-IP-LOCAL",
+    "KUBE-LOAD-BALANCER",
+    "KUBE-LOAD-BALANCER-FW",
+    "KUBE-LOAD-BALANCER-LOCAL",
+    "KUBE-LOAD-BALANCER-SOURCE-IP",
+    "KUBE-LOAD-BALANCER-SOURCE-CIDR",
+    "KUBE-NODE-PORT-TCP",
+    "KUBE-NODE-PORT-LOCAL-TCP",
+    "KUBE-NODE-PORT-UDP",
+    "KUBE-NODE-PORT-LOCAL-UDP",
+    "KUBE-NODE-PORT-SCTP-HASH",
+    "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
+    "KUBE-HEALTH-CHECK-NODE-PORT",
+    "KUBE-IPVS-IPS",
+    // Older releases' names, still possibly on a node upgraded in place.
+    "KUBE-NODE-PORT-SCTP",
+    "KUBE-NODE-PORT-LOCAL-SCTP",
+];
+
+/// Whether an ipset is kube-proxy's (IPv4 or IPv6 name).
+pub fn is_kube_proxy_ipset(name: &str) -> bool {
+    KUBE_IPSETS.iter().any(|set| {
+        let v6: String = set
+            .replacen("KUBE-", "KUBE-6-", 1)
+            .chars()
+            .take(sys::ipset::MAX_NAME)
+            .collect();
+        name == *set || name == v6
+    })
+}
+
+/// kube-proxy's virtual servers among `listed`: those on an address of `kube-ipvs0` that our own
+/// link does not hold (pure).
+pub fn kube_proxy_virtual_servers(
+    listed: &[ServiceKey],
+    kube_link: &BTreeSet<IpAddr>,
+    ours: &BTreeSet<IpAddr>,
+) -> Vec<VirtualAddr> {
+    listed
+        .iter()
+        .filter_map(|key| match key {
+            ServiceKey::Addr(v) if kube_link.contains(&v.addr) && !ours.contains(&v.addr) => Some(*v),
+            _ => None,
+        })
+        .collect()
+}
+
 /// kube-proxy's fixed chains (its per-service chains are matched by prefix).
-const FIXED: [&str; 8] = [
+const FIXED: [&str; 13] = [
     "KUBE-SERVICES",
     "KUBE-EXTERNAL-SERVICES",
     "KUBE-FORWARD",
@@ -23,6 +90,12 @@ const FIXED: [&str; 8] = [
     "KUBE-MARK-MASQ",
     "KUBE-PROXY-FIREWALL",
     "KUBE-PROXY-CANARY",
+    // IPVS mode's (kube-proxy's pkg/proxy/ipvs `iptablesChains`).
+    "KUBE-NODE-PORT",
+    "KUBE-LOAD-BALANCER",
+    "KUBE-SOURCE-RANGES-FIREWALL",
+    "KUBE-IPVS-FILTER",
+    "KUBE-IPVS-OUT-FILTER",
 ];
 const PER_SERVICE: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
 
@@ -97,6 +170,7 @@ fn has_chain(save: &str, chain: &str) -> bool {
 /// errors of the steps that failed (each step is independent).
 pub fn takeover() -> (Vec<String>, Vec<String>) {
     let (mut removed, mut errors) = (Vec::new(), Vec::new());
+    ipvs_leftovers(&mut removed, &mut errors);
     for family in IpFamily::ALL {
         match sys::nft::delete_table_if_present(family.nfproto(), "kube-proxy") {
             Ok(true) => removed.push(format!(
@@ -131,7 +205,73 @@ pub fn takeover() -> (Vec<String>, Vec<String>) {
             }
         }
     }
+    kube_proxy_ipsets(&mut removed, &mut errors);
     (removed, errors)
+}
+
+/// kube-proxy's IPVS virtual servers and its `kube-ipvs0` link (nothing when the link is absent:
+/// kube-proxy's IPVS mode never ran here, or a pass removed it already).
+fn ipvs_leftovers(removed: &mut Vec<String>, errors: &mut Vec<String>) {
+    match sys::link::exists(KUBE_IPVS_LINK) {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(e) => return errors.push(format!("{KUBE_IPVS_LINK}: {e}")),
+    }
+    let addrs = |link: &str| -> Result<BTreeSet<IpAddr>, String> {
+        sys::link::addresses(link)
+            .map(|set| set.into_iter().map(IpAddr::V4).collect())
+            .map_err(|e| e.to_string())
+    };
+    let (kube_link, ours) = match (addrs(KUBE_IPVS_LINK), addrs(crate::backend::ipvs::render::LINK)) {
+        (Ok(k), Ok(o)) => (k, o),
+        (Err(e), _) | (_, Err(e)) => return errors.push(format!("{KUBE_IPVS_LINK} addresses: {e}")),
+    };
+    let mut ipvs = KernelIpvs::new();
+    match ipvs.services() {
+        Ok(listed) => {
+            let keys: Vec<ServiceKey> = listed.into_iter().map(|(k, _)| k).collect();
+            let theirs = kube_proxy_virtual_servers(&keys, &kube_link, &ours);
+            let ops: Vec<Op> = theirs.iter().map(|v| Op::DeleteService(*v)).collect();
+            match ipvs.apply(&ops) {
+                Ok(refused) => {
+                    // Not found: gone meanwhile.
+                    errors.extend(
+                        refused
+                            .iter()
+                            .filter(|(_, e)| !e.is_not_found())
+                            .map(|(op, e)| format!("IPVS {op}: {e}")),
+                    );
+                    if !ops.is_empty() {
+                        removed.push(format!("{} IPVS virtual servers on {KUBE_IPVS_LINK}", ops.len()));
+                    }
+                }
+                Err(e) => errors.push(format!("IPVS: {e}")),
+            }
+        }
+        // No IPVS in this kernel: the link is all there is.
+        Err(sys::KernelError::Unsupported { .. }) => {}
+        Err(e) => errors.push(format!("IPVS services: {e}")),
+    }
+    match sys::link::delete(KUBE_IPVS_LINK) {
+        Ok(_) => removed.push(format!("link {KUBE_IPVS_LINK}")),
+        Err(e) => errors.push(format!("{KUBE_IPVS_LINK}: {e}")),
+    }
+}
+
+/// kube-proxy's ipsets, once no iptables rule references them (none where `ipset list` fails).
+fn kube_proxy_ipsets(removed: &mut Vec<String>, errors: &mut Vec<String>) {
+    let names: Vec<String> = match sys::ipset::list_names("KUBE-") {
+        Ok(names) => names.into_iter().filter(|n| is_kube_proxy_ipset(n)).collect(),
+        // No `ipset` tool, or no ipset support in the kernel: no set of kube-proxy's can exist.
+        Err(_) => return,
+    };
+    if names.is_empty() {
+        return;
+    }
+    match sys::ipset::destroy(&names) {
+        Ok(()) => removed.push(format!("ipsets {}", names.join(" "))),
+        Err(e) => errors.push(format!("ipset destroy: {e}")),
+    }
 }
 
 #[cfg(test)]
@@ -166,6 +306,51 @@ mod tests {
         let kubelet_only =
             "*nat\n:KUBE-MARK-DROP - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n-A X -j KUBE-SERVICES\nCOMMIT\n";
         assert!(!has_chain(kubelet_only, "KUBE-SERVICES"), "a jump is no chain");
+    }
+
+    #[test]
+    fn kube_proxys_ipvs_objects_are_recognised() {
+        for set in [
+            "KUBE-CLUSTER-IP",
+            "KUBE-6-CLUSTER-IP",
+            "KUBE-NODE-PORT-TCP",
+            "KUBE-6-LOAD-BALANCER-SOURCE-CID",
+        ] {
+            assert!(is_kube_proxy_ipset(set), "{set}");
+        }
+        for set in [
+            "SWY-CLUSTER-IP",
+            "KUBE-SOMEONE-ELSE",
+            "KUBE-6-LOAD-BALANCER-SOURCE-CIDR",
+        ] {
+            assert!(!is_kube_proxy_ipset(set), "{set}");
+        }
+        for chain in [
+            "KUBE-NODE-PORT",
+            "KUBE-IPVS-FILTER",
+            "KUBE-IPVS-OUT-FILTER",
+            "KUBE-LOAD-BALANCER",
+        ] {
+            assert!(is_kube_proxy_chain(chain), "{chain}");
+        }
+        let vs = |a: [u8; 4], port| VirtualAddr {
+            protocol: crate::model::Protocol::Tcp,
+            addr: IpAddr::from(a),
+            port,
+        };
+        let listed = [
+            ServiceKey::Addr(vs([10, 96, 0, 1], 443)),
+            ServiceKey::Addr(vs([10, 96, 0, 9], 80)),
+            ServiceKey::Addr(vs([10, 0, 1, 1], 30120)),
+            ServiceKey::Foreign("fwmark 7".into()),
+        ];
+        let kube: BTreeSet<IpAddr> = [[10, 96, 0, 1], [10, 96, 0, 9]].map(IpAddr::from).into();
+        let ours: BTreeSet<IpAddr> = [IpAddr::from([10, 96, 0, 1])].into();
+        assert_eq!(
+            kube_proxy_virtual_servers(&listed, &kube, &ours),
+            [vs([10, 96, 0, 9], 80)],
+            "only kube-ipvs0's addresses our link does not hold"
+        );
     }
 
     #[test]

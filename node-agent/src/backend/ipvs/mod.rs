@@ -349,7 +349,7 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
             .map_err(|e| cmd_err("ip addr")(e.to_string()))?;
         Ok(all
             .into_iter()
-            .filter(|(dev, a)| dev != LINK && !a.is_loopback())
+            .filter(|(dev, a)| dev != LINK && dev != crate::takeover::KUBE_IPVS_LINK && !a.is_loopback())
             .map(|(_, a)| a)
             .collect())
     }
