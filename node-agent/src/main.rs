@@ -75,8 +75,10 @@ struct Args {
     /// sync's cost, and syncs are never held more than 1 s (kube-proxy's default) apart.
     #[arg(long)]
     min_sync_period: Option<f64>,
-    /// Seconds between full resyncs that repair drift (a failed sync is retried sooner: after the
-    /// minimum period, at least 1 s).
+    /// Seconds of quiet after which the agent checks its rules in the kernel (kube-proxy's canary
+    /// check) and resyncs in full only if they changed; a full resync runs at least hourly (a
+    /// failed sync is retried sooner: after the minimum period, at least 1 s). The health timeout
+    /// is twice this.
     #[arg(long, default_value_t = 30.0)]
     sync_period: f64,
     /// Address of /healthz and /livez (and /metrics).

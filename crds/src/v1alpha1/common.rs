@@ -131,8 +131,10 @@ pub struct ProxySettings {
     #[schemars(range(min = 0, max = 3600))]
     pub min_sync_period_seconds: Option<u32>,
 
-    /// Seconds between full resyncs that repair drift (on an idle node). Absent: the agent's
-    /// `--sync-period` (default 30). A change applies without a restart.
+    /// Seconds of quiet after which the agent checks its rules in the kernel and resyncs in full
+    /// only if they changed (e.g. after a firewall reload); a full resync also runs at least
+    /// hourly. Absent: the agent's `--sync-period` (default 30). A change applies without a
+    /// restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 86400))]
     pub sync_period_seconds: Option<u32>,

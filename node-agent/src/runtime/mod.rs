@@ -299,6 +299,15 @@ impl SyncLoop {
             let mut t = lock(&self.shared.tracker);
             (t.shared_snapshot(), t.take_changes())
         };
+        let Some(full) = full.or_else(|| (!changes.services.is_empty()).then_some(false)) else {
+            // An idle period, our rules in place and nothing changed: nothing to sync (kube-proxy
+            // syncs nothing either); the switch step and the status report still run.
+            let none = sync::Synced {
+                stats: crate::backend::SyncStats::default(),
+                took: Duration::ZERO,
+            };
+            return self.after_sync(d, &wish, &none, &snapshot, true).await;
+        };
         self.shared.metrics.service_changes_pending.set(0);
         let (d, result) = sync::sync(d, &mut self.cleaner, &snapshot, changes, full, &settings).await?;
         match result {
@@ -307,7 +316,7 @@ impl SyncLoop {
                 let (metrics, health) = (&self.shared.metrics, &self.shared.health);
                 let servers = &mut self.health_servers;
                 sync::record_success(metrics, health, &d, &synced, &snapshot, &settings, servers);
-                self.after_sync(d, &wish, &synced, &snapshot).await
+                self.after_sync(d, &wish, &synced, &snapshot, false).await
             }
             Err(e) => {
                 sync::record_failure(&self.shared.metrics, &d, &e);
@@ -317,34 +326,40 @@ impl SyncLoop {
         }
     }
 
-    /// Whether this round's sync is full: the runner's answer, and after an idle sync period the
-    /// backends' cheap check of our rules (kube-proxy's canary check; counted by
-    /// `switchyard_idle_checks_total`), which asks for a full resync only when they changed.
-    async fn full_sync_wanted(&mut self, d: Driver) -> Result<(Driver, bool)> {
+    /// Whether this round's sync is full (`Some(true)`) or partial (`Some(false)`): the runner's
+    /// answer; after an idle sync period, the backends' cheap check of our rules (kube-proxy's
+    /// canary check, counted by `switchyard_idle_checks_total`) asks for a full resync only when
+    /// they changed, and `None` when they are intact (the round syncs only if something changed).
+    async fn full_sync_wanted(&mut self, d: Driver) -> Result<(Driver, Option<bool>)> {
         let idle = self.runner.take_idle();
         if self.runner.begin(Instant::now()) {
-            return Ok((d, true));
+            return Ok((d, Some(true)));
         }
         if !idle || d.switching() {
-            return Ok((d, false));
+            return Ok((d, Some(false)));
         }
         let (d, intact) = on_blocking_thread("idle check", d, Driver::rules_intact).await?;
         let result = if intact { "intact" } else { "changed" };
         self.shared
             .metrics
             .idle_checks
-            .get_or_create(&crate::metrics::CheckResult { result: result.into() })
+            .get_or_create(&crate::metrics::CheckResult {
+                result: result.into(),
+            })
             .inc();
-        Ok((d, !intact))
+        Ok((d, (!intact).then_some(true)))
     }
 
     /// After a successful sync: takeover, one switch step, registration and the status report.
+    /// `idle`: no sync ran (an idle period with our rules intact); the status keeps the last sync's
+    /// figures.
     async fn after_sync(
         &mut self,
         d: Driver,
         wish: &Wish,
         synced: &sync::Synced,
         snapshot: &Arc<crate::model::DualSnapshot>,
+        idle: bool,
     ) -> Result<Driver> {
         self.takeover.after_sync(&d, &self.shared).await?;
         let supported = &self.config.capabilities.supported_modes;
@@ -361,6 +376,7 @@ impl SyncLoop {
             stats: &synced.stats,
             took: synced.took,
             snapshot,
+            idle,
         };
         if self.reporter.report(&mut d, wish, last).await {
             self.runner.again();

@@ -34,6 +34,9 @@ pub(super) struct LastSync<'a> {
     pub took: Duration,
     /// What it programmed.
     pub snapshot: &'a DualSnapshot,
+    /// No sync ran this round (an idle period, our rules intact): the status keeps the last
+    /// sync's figures and the advisor's window takes no sample.
+    pub idle: bool,
 }
 
 fn now_time() -> Time {
@@ -219,6 +222,8 @@ pub(super) struct StatusReporter {
     extra_dirty: bool,
     /// The mode advisor's sync window and what it published.
     measurer: Measurer,
+    /// The status' figures of the last round that synced (kept through idle rounds).
+    last_sync: Option<StatusSync>,
 }
 
 impl StatusReporter {
@@ -235,6 +240,7 @@ impl StatusReporter {
             extra: Vec::new(),
             extra_dirty: false,
             measurer: Measurer::default(),
+            last_sync: None,
         }
     }
 
@@ -288,8 +294,10 @@ impl StatusReporter {
     /// Reports after a sync (and the switch step): the Event of a state problem, then the status
     /// when something changed or it is due. Returns whether the loop should run again at once
     /// (our NodeProxy was gone and has been registered again).
-    pub async fn report(&mut self, d: &mut Driver, wish: &Wish, sync: LastSync<'_>) -> bool {
-        self.announce(d.state_problem.clone().as_ref()).await;
+    /// Takes a round that synced: its figures for the status, and a sample for the advisor's
+    /// window; returns whether the advisor publishes.
+    fn record_sync(&mut self, d: &Driver, sync: LastSync<'_>) -> bool {
+        self.last_sync = Some(sync_status(sync));
         let figures = SyncFigures::of(
             d.state.active,
             sync.took,
@@ -297,17 +305,23 @@ impl StatusReporter {
             sync.stats.rules_total,
             sync.snapshot,
         );
-        let advised = self.measurer.record(
+        self.measurer.record(
             figures,
             &self.capabilities,
             Instant::now(),
             k8s_openapi::jiff::Timestamp::now(),
-        );
+        )
+    }
+
+    pub async fn report(&mut self, d: &mut Driver, wish: &Wish, sync: LastSync<'_>) -> bool {
+        self.announce(d.state_problem.clone().as_ref()).await;
+        let advised = !sync.idle && self.record_sync(d, sync);
         let due = self.last_report.is_none_or(|t| t.elapsed() > REPORT_EVERY);
         if !(d.dirty || due || self.extra_dirty || advised) || !self.load_prior(d).await {
             return false;
         }
         let mut status = status(&self.capabilities, d, Some(sync), wish, &self.reported_conditions);
+        status.sync = self.last_sync.clone();
         if let Some((measurements, advice)) = self.measurer.published() {
             status.measurements = Some(measurements.clone());
             status.advice = Some(advice.clone());
