@@ -381,7 +381,10 @@ fn error_policy(policy: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) ->
 }
 
 /// The planner's inputs from the caches, with this term's own writes laid over them.
-pub(crate) fn snapshot(ctx: &Context, current: &ProxyPolicy) -> (Vec<PolicyInput>, Vec<NodeInput>, Vec<NodeProxyInput>) {
+pub(crate) fn snapshot(
+    ctx: &Context,
+    current: &ProxyPolicy,
+) -> (Vec<PolicyInput>, Vec<NodeInput>, Vec<NodeProxyInput>) {
     let own = ctx.own.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut policies: Vec<PolicyInput> = ctx
         .stores
