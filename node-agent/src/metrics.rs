@@ -24,7 +24,8 @@ pub struct ModeLabel {
 /// Label: what the idle check found.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CheckResult {
-    /// `intact` (no sync needed) or `changed` (a full resync followed).
+    /// `intact` (no sync needed), `changed` (a full resync followed) or `unchecked` (the backend
+    /// has no cheap check, IPVS: a full resync followed).
     pub result: String,
 }
 
@@ -195,7 +196,7 @@ impl Metrics {
         );
         registry.register(
             "switchyard_idle_checks",
-            "Checks of our rules in the kernel after an idle sync period (instead of a full resync), by result: intact, or changed (a full resync followed)",
+            "Checks of our rules in the kernel after an idle sync period (instead of a full resync), by result: intact, changed (a full resync followed) or unchecked (no cheap check for this backend: a full resync followed)",
             m.idle_checks.clone(),
         );
         registry.register(

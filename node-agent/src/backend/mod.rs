@@ -371,10 +371,11 @@ pub trait Backend: Send {
     /// A cheap read of the kernel, run after an idle sync period instead of a full resync: whether
     /// what the last sync programmed is still in place as far as such a check can tell (kube-proxy's
     /// canary check: our tables and chains, and the base-chain jumps as the bypass flag wants
-    /// them; e.g. gone after a firewall reload). `false` makes the next sync full. The default
-    /// cannot tell and answers `false`, so a backend without a cheap check resyncs in full.
-    fn intact(&self) -> Result<bool, BackendError> {
-        Ok(false)
+    /// them; e.g. gone after a firewall reload). `Some(false)` makes the next sync full. The
+    /// default has no cheap check and answers `None`: that backend resyncs in full after every
+    /// idle period.
+    fn intact(&self) -> Result<Option<bool>, BackendError> {
+        Ok(None)
     }
     /// Whether the driver may replace this backend, while it serves, by one built afresh with new
     /// settings (node addresses, the policy's settings), which then syncs in full. A backend that

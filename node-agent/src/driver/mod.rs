@@ -317,27 +317,31 @@ impl Driver {
     }
 
     /// Whether the backends this driver programs still hold their rules, by each one's cheap
-    /// check ([`Backend::intact`]); a check that fails counts as "not intact" (logged), so the
-    /// next sync is full.
-    pub fn rules_intact(&mut self) -> bool {
+    /// check ([`Backend::intact`]): `Some(true)` intact; `Some(false)` changed, or the check
+    /// failed (both logged), so the next sync is full; `None` when a backend has no cheap check
+    /// (IPVS: it resyncs in full after every idle period, quietly).
+    pub fn rules_intact(&mut self) -> Option<bool> {
         let active = self.state.active;
         let target = self
             .state
             .target
             .filter(|t| *t != active && self.backends.contains_key(t));
-        [Some(active), target].into_iter().flatten().all(|mode| {
+        let mut verdict = Some(true);
+        for mode in [Some(active), target].into_iter().flatten() {
             match self.backend(mode).intact() {
-                Ok(true) => true,
-                Ok(false) => {
+                Ok(Some(true)) => {}
+                Ok(None) => verdict = verdict.and(None),
+                Ok(Some(false)) => {
                     tracing::warn!(%mode, "our rules changed under us since the last sync: syncing in full");
-                    false
+                    return Some(false);
                 }
                 Err(e) => {
                     tracing::warn!(%mode, error = %e, "cannot check our rules in the kernel: syncing in full");
-                    false
+                    return Some(false);
                 }
             }
-        })
+        }
+        verdict
     }
 
     /// What the kernel holds of each backend, read back; a backend that cannot be read counts as

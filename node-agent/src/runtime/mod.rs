@@ -339,7 +339,11 @@ impl SyncLoop {
             return Ok((d, Some(false)));
         }
         let (d, intact) = on_blocking_thread("idle check", d, Driver::rules_intact).await?;
-        let result = if intact { "intact" } else { "changed" };
+        let result = match intact {
+            Some(true) => "intact",
+            Some(false) => "changed",
+            None => "unchecked",
+        };
         self.shared
             .metrics
             .idle_checks
@@ -347,7 +351,7 @@ impl SyncLoop {
                 result: result.into(),
             })
             .inc();
-        Ok((d, (!intact).then_some(true)))
+        Ok((d, (intact != Some(true)).then_some(true)))
     }
 
     /// After a successful sync: takeover, one switch step, registration and the status report.

@@ -162,13 +162,14 @@ pub fn verify_empty_after_sync<K: Kit>(kit: &K) {
 
 /// The idle check: `intact` after full and partial syncs and through a bypass; not once the entry
 /// points are removed behind the backend's back; again after the full sync that follows. A
-/// backend without a cheap check answers `false` always (IPVS: its full resync stays).
+/// backend without a cheap check answers `None` (IPVS: its full resync stays).
 pub fn intact_until_disturbed<K: Kit>(kit: &K) {
     let before = kit.scenario();
     let (after, changes) = fixtures::changed(&before);
     kit.with_subject(|s| {
         full_sync(s, &before);
-        if !s.backend().intact().expect("intact") {
+        let intact = |s: &mut K::S| s.backend().intact().expect("intact");
+        if intact(s).is_none() {
             assert_eq!(
                 s.backend().mode(),
                 switchyard_crds::v1alpha1::ProxyMode::Ipvs,
@@ -176,21 +177,19 @@ pub fn intact_until_disturbed<K: Kit>(kit: &K) {
             );
             return;
         }
+        assert_eq!(intact(s), Some(true), "after a full sync");
         s.backend().sync(&after, &changes, false).expect("partial sync");
-        assert!(s.backend().intact().expect("intact"), "after a partial sync");
+        assert_eq!(intact(s), Some(true), "after a partial sync");
         s.backend().set_bypass(true).expect("bypass");
-        assert!(s.backend().intact().expect("intact"), "bypassed as asked");
+        assert_eq!(intact(s), Some(true), "bypassed as asked");
         s.backend().set_bypass(false).expect("lift the bypass");
         assert!(
             s.disturb(),
             "a backend with a cheap check needs a kit that can disturb it"
         );
-        assert!(
-            !s.backend().intact().expect("intact"),
-            "entry points removed behind its back"
-        );
+        assert_eq!(intact(s), Some(false), "entry points removed behind its back");
         full_sync(s, &after);
-        assert!(s.backend().intact().expect("intact"), "restored by the full sync");
+        assert_eq!(intact(s), Some(true), "restored by the full sync");
     });
 }
 

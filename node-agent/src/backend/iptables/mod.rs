@@ -635,12 +635,12 @@ impl<I: SaveRestore, S: Sysctl> Backend for IptablesProxier<I, S> {
         Ok(drift)
     }
 
-    fn intact(&self) -> Result<bool, BackendError> {
+    fn intact(&self) -> Result<Option<bool>, BackendError> {
         for tables in &self.families {
             if !tables.intact(self.bypassed)? {
-                return Ok(false);
+                return Ok(Some(false));
             }
         }
-        Ok(true)
+        Ok(Some(true))
     }
 }

@@ -671,22 +671,22 @@ impl<N: NfTables> Backend for Nftables<N> {
 
     /// Every chain of the last sync in place (a chain listing per family, no rules or elements)
     /// and the bypass as it was left.
-    fn intact(&self) -> Result<bool, BackendError> {
+    fn intact(&self) -> Result<Option<bool>, BackendError> {
         if !self.verify()?.is_empty() {
-            return Ok(false);
+            return Ok(Some(false));
         }
         let v4_programmed = self
             .tables
             .iter()
             .any(|t| t.family == IpFamily::V4 && t.programmed);
         if !v4_programmed {
-            return Ok(true);
+            return Ok(Some(true));
         }
         let bypassed = self
             .nft
             .rule_comment_exists(IpFamily::V4, BYPASS_COMMENT)
             .map_err(kernel)?;
-        Ok(bypassed == self.bypassed)
+        Ok(Some(bypassed == self.bypassed))
     }
 }
 
