@@ -299,7 +299,7 @@ fn invalid_cases() -> Vec<(&'static str, String, &'static str)> {
                 waves,
                 &format!("{waves}  proxy:\n    ipvs:\n      scheduler: fastest\n"),
             ),
-            r#"spec.proxy.ipvs.scheduler: Unsupported value: "fastest": supported values: "rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq", "mh""#,
+            r#"spec.proxy.ipvs.scheduler: Unsupported value: "fastest": supported values: "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "fo", "ovf", "mh", "twos""#,
         ),
         (
             "bad-window-time",
