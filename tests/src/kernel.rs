@@ -48,6 +48,32 @@ pub fn ours(netns: &str) -> Result<(bool, bool)> {
     Ok((nft.contains("switchyard"), ipt.contains("SWY")))
 }
 
+/// Every `:KUBE-*` chain declared in the four saves (variant × family) of `netns`, as
+/// `tool table chain`, sorted; every listing must succeed.
+pub fn kube_chains(netns: &str) -> Result<Vec<String>> {
+    let mut found = Vec::new();
+    for tool in [
+        "iptables-legacy-save",
+        "iptables-nft-save",
+        "ip6tables-legacy-save",
+        "ip6tables-nft-save",
+    ] {
+        let save = Cluster::exec(netns, &[tool])?;
+        let mut table = "";
+        for line in save.lines() {
+            if let Some(t) = line.strip_prefix('*') {
+                table = t.trim();
+            } else if let Some(c) = line.strip_prefix(':').and_then(|l| l.split_whitespace().next())
+                && c.starts_with("KUBE-")
+            {
+                found.push(format!("{tool} {table} {c}"));
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
 #[cfg(test)]
 mod tests {
     //! A broken listing (here: a namespace that does not exist, so `ip netns exec` fails) must be
@@ -73,5 +99,6 @@ mod tests {
             assert!(backend_state(MISSING, mode, &[Family::V4]).is_err(), "{mode}");
         }
         assert!(ours(MISSING).is_err(), "ours()");
+        assert!(kube_chains(MISSING).is_err(), "kube_chains()");
     }
 }

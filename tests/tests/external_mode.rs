@@ -202,24 +202,9 @@ fn services_answer(env: &TestEnv) -> bool {
         .is_ok_and(|o| o.iter().all(|o| o.server().is_some()))
 }
 
-/// Every `:KUBE-*` chain in the four iptables saves of `node`.
+/// Every `:KUBE-*` chain of `node` ([`kernel::kube_chains`]); the listings must succeed.
 fn kube_chains(node: &Node) -> Vec<String> {
-    let mut found = Vec::new();
-    for tool in [
-        "iptables-legacy-save",
-        "iptables-nft-save",
-        "ip6tables-legacy-save",
-        "ip6tables-nft-save",
-    ] {
-        let save = Cluster::exec(&node.netns, &[tool]).expect("iptables save");
-        found.extend(
-            save.lines()
-                .filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
-                .filter(|c| c.starts_with("KUBE-"))
-                .map(|c| format!("{tool} {c}")),
-        );
-    }
-    found
+    kernel::kube_chains(&node.netns).expect("iptables saves")
 }
 
 fn ours(node: &Node) -> (bool, bool) {

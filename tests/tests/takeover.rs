@@ -60,30 +60,9 @@ fn kubelet_chains(node: &Node) {
     }
 }
 
-/// Every `:KUBE-*` chain declared in one of the four saves (variant × family) of `node`, as
-/// `tool table chain`; every listing must succeed.
+/// Every `:KUBE-*` chain of `node` ([`kernel::kube_chains`]); the listings must succeed.
 fn kube_chains(node: &Node) -> Vec<String> {
-    let mut found = Vec::new();
-    for tool in [
-        "iptables-legacy-save",
-        "iptables-nft-save",
-        "ip6tables-legacy-save",
-        "ip6tables-nft-save",
-    ] {
-        let save = Cluster::exec(&node.netns, &[tool]).expect("iptables save");
-        let mut table = "";
-        for line in save.lines() {
-            if let Some(t) = line.strip_prefix('*') {
-                table = t.trim();
-            } else if let Some(c) = line.strip_prefix(':').and_then(|l| l.split_whitespace().next())
-                && c.starts_with("KUBE-")
-            {
-                found.push(format!("{tool} {table} {c}"));
-            }
-        }
-    }
-    found.sort();
-    found
+    kernel::kube_chains(&node.netns).expect("iptables saves")
 }
 
 /// What must stay: kubelet's chains in the nft variant of both families.
