@@ -302,8 +302,8 @@ impl Table {
         Ok(stats)
     }
 
-    /// Creates the endpoint maps a change starts using and rewrites the DNAT chains reading them;
-    /// returns the maps it stops using, to delete once their rules are gone.
+    /// Creates the endpoint maps a change starts using and rewrites their dispatch; returns the
+    /// sets it stops using, to delete once their rules are gone.
     fn update_endpoint_maps<'a>(
         &mut self,
         batch: &mut Batch,
@@ -323,25 +323,70 @@ impl Table {
             *self.endpoint_maps.entry(m).or_default() += 1;
         }
         let after: BTreeSet<(&'static str, u32)> = self.endpoint_maps.keys().copied().collect();
-        for (kind, n) in after.difference(&before) {
-            let map = render::endpoint_map(kind, *n);
-            self.stale_sets.remove(&map.name);
-            batch.add_set(&map);
+        let mut stale_sets = Vec::new();
+        for kind in render::ENDPOINT_MAP_KINDS {
+            let counts = |maps: &BTreeSet<(&'static str, u32)>| -> BTreeSet<u32> {
+                maps.iter().filter(|(k, _)| *k == kind).map(|(_, n)| *n).collect()
+            };
+            let (old, new) = (counts(&before), counts(&after));
+            if old != new {
+                let (old, new) = (render::dispatch(kind, &old), render::dispatch(kind, &new));
+                stale_sets.extend(self.update_dispatch(batch, kind, &old, &new));
+            }
         }
-        for kind in [render::sets::IP_ENDPOINTS, render::sets::NODEPORT_ENDPOINTS] {
-            if before.symmetric_difference(&after).any(|(k, _)| *k == kind) {
-                let chain = render::dnat_chain(kind);
-                batch.flush_chain(chain);
-                for rule in
-                    render::dnat_rules(kind, after.iter().filter(|(k, _)| *k == kind).map(|(_, n)| *n))
-                {
-                    batch.add_rule(chain, &rule);
+        stale_sets
+    }
+
+    /// Moves one kind's dispatch from `old` to `new`: creates the sets and chains it starts
+    /// using, rewrites the chains whose rules change (after every chain they may jump to exists),
+    /// and empties the chains it stops using (deleted with the returned sets once unreferenced).
+    fn update_dispatch(
+        &mut self,
+        batch: &mut Batch,
+        kind: &str,
+        old: &render::Dispatch,
+        new: &render::Dispatch,
+    ) -> Vec<String> {
+        for set in new.sets.iter().filter(|s| !old.sets.contains(s)) {
+            self.stale_sets.remove(&set.name);
+            batch.add_set(set);
+        }
+        let old_chains: BTreeMap<&str, &ir::Chain> =
+            old.chains.iter().map(|c| (c.name.as_str(), c)).collect();
+        let mut rewrite: Vec<(&str, &[ir::Rule])> = Vec::new();
+        for chain in &new.chains {
+            match old_chains.get(chain.name.as_str()) {
+                Some(was) if was.rules == chain.rules => {}
+                Some(_) => {
+                    batch.flush_chain(&chain.name);
+                    rewrite.push((&chain.name, &chain.rules));
+                }
+                None => {
+                    self.stale_chains.remove(&chain.name);
+                    batch.add_chain(&chain.name, None);
+                    rewrite.push((&chain.name, &chain.rules));
                 }
             }
         }
-        before
-            .difference(&after)
-            .map(|(kind, n)| render::endpoint_map_name(kind, *n))
+        let root = render::dnat_chain(kind);
+        if old.root != new.root {
+            batch.flush_chain(root);
+            rewrite.push((root, &new.root));
+        }
+        for (chain, rules) in rewrite {
+            for rule in rules {
+                batch.add_rule(chain, rule);
+            }
+        }
+        let kept: BTreeSet<&str> = new.chains.iter().map(|c| c.name.as_str()).collect();
+        for gone in old.chains.iter().filter(|c| !kept.contains(c.name.as_str())) {
+            batch.flush_chain(&gone.name);
+            self.stale_chains.insert(gone.name.clone());
+        }
+        old.sets
+            .iter()
+            .filter(|s| !new.sets.iter().any(|n| n.name == s.name))
+            .map(|s| s.name.clone())
             .collect()
     }
 
@@ -556,12 +601,16 @@ impl Table {
             .map_err(kernel)?
             .into_iter()
             .collect();
-        let desired: BTreeSet<String> = base(settings, self.family, bypassed)
+        let mut desired: BTreeSet<String> = base(settings, self.family, bypassed)
             .chains
             .iter()
             .chain(self.fragments.values().flat_map(|f| f.chains.iter()))
             .map(|c| c.name.clone())
             .collect();
+        for kind in render::ENDPOINT_MAP_KINDS {
+            let dispatch = render::dispatch(kind, &render::counts_of(&self.endpoint_maps, kind));
+            desired.extend(dispatch.chains.into_iter().map(|c| c.name));
+        }
         let table = format!("{} {}", ir::family_name(self.family), ir::TABLE);
         let mut drift: Vec<String> = desired
             .difference(&kernel)

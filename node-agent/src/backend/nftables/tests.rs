@@ -550,3 +550,137 @@ fn kernel_answers_an_element_query_with_the_rendered_targets() {
     }
     assert_eq!(missing, None, "a key that is not in the map");
 }
+
+/// The dispatch trie over endpoint counts: one count needs no test; otherwise every count is
+/// reached through at most one set test per bit in which the counts differ, and each leaf reads
+/// exactly its own map.
+#[test]
+fn dispatch_is_a_trie_over_the_bits_the_counts_differ_in() {
+    use render::{dispatch, sets::IP_ENDPOINTS};
+    use std::collections::{BTreeMap, BTreeSet};
+    // The `dnat … mod N map` each chain reaches, walking gotos and fall-throughs: (N, tests made).
+    fn leaves(d: &render::Dispatch) -> BTreeMap<u32, usize> {
+        let chains: BTreeMap<&str, &Vec<ir::Rule>> =
+            d.chains.iter().map(|c| (c.name.as_str(), &c.rules)).collect();
+        let mut out = BTreeMap::new();
+        let mut todo = vec![(&d.root, 0usize)];
+        while let Some((rules, depth)) = todo.pop() {
+            let mut tests = depth;
+            for rule in rules {
+                match rule.exprs.as_slice() {
+                    [
+                        ir::Expr::DaddrProtoPortInSet(_),
+                        ir::Expr::Verdict(ir::Verdict::Goto(c)),
+                    ] => {
+                        tests += 1;
+                        todo.push((chains[c.as_str()], tests));
+                    }
+                    [ir::Expr::DnatDaddrProtoPortSlot(n, map)] => {
+                        assert_eq!(map, &format!("ip-endpoints-{n}"));
+                        assert!(out.insert(*n, tests).is_none(), "count {n} reached twice");
+                    }
+                    other => panic!("unexpected rule {other:?}"),
+                }
+            }
+        }
+        out
+    }
+    let cases: &[(&[u32], usize)] = &[
+        (&[], 0),
+        (&[2], 0),
+        (&[1, 2], 1),
+        (&[1, 3], 1),
+        (&[2, 3, 4, 7], 2),
+        (&[1, 64], 1),
+    ];
+    for (counts, max_tests) in cases {
+        let set: BTreeSet<u32> = counts.iter().copied().collect();
+        let d = dispatch(IP_ENDPOINTS, &set);
+        let reached = leaves(&d);
+        assert_eq!(
+            reached.keys().copied().collect::<BTreeSet<_>>(),
+            set,
+            "{counts:?}"
+        );
+        assert_eq!(
+            reached.values().copied().max().unwrap_or(0),
+            *max_tests,
+            "{counts:?}: {d:?}"
+        );
+        let maps = d
+            .sets
+            .iter()
+            .filter(|s| s.name.starts_with("ip-endpoints-"))
+            .count();
+        assert_eq!(maps, counts.len(), "{counts:?}: one map per count");
+    }
+    // 1..=256: nine bits, so at most nine tests to any count, and 255 chains besides the root.
+    let all: BTreeSet<u32> = (1..=256).collect();
+    let d = dispatch(IP_ENDPOINTS, &all);
+    let reached = leaves(&d);
+    assert_eq!(reached.len(), 256);
+    assert!(reached.values().all(|t| *t <= 9), "{:?}", reached.values().max());
+    assert_eq!(d.chains.len(), 255);
+}
+
+/// A partial sync that changes which endpoint counts are in use rewrites the dispatch to what a
+/// full sync would program, through counts that add, deepen, reshape and remove trie levels.
+#[test]
+fn partial_syncs_through_many_endpoint_counts_match_a_full_sync() {
+    let (mut snap, settings) = dual_scenario();
+    let ns = TestNetns::new("nft-counts");
+    let mut backend = NftablesBackend::new(settings.clone());
+    let mut stats = Vec::new();
+    let dns = snap
+        .v4
+        .services
+        .keys()
+        .find(|k| k.service.name == "dns")
+        .expect("dns")
+        .clone();
+    let template = snap.v4.endpoints[&dns][0].clone();
+    for count in [5usize, 8, 1, 13, 3, 2] {
+        let eps: Vec<_> = (0..count)
+            .map(|i| {
+                let mut e = template.clone();
+                e.ip = std::net::IpAddr::from([10, 244, 9, 10 + i as u8]);
+                e
+            })
+            .collect();
+        snap.v4.endpoints.insert(dns.clone(), eps);
+        let changes = Changes {
+            services: [dns.service.clone()].into_iter().collect(),
+        };
+        let full = stats.is_empty();
+        let (result, b) = ns.run({
+            let snap = snap.clone();
+            move || {
+                let r = backend.sync(&snap, &changes, full).map_err(|e| e.to_string());
+                (r, backend)
+            }
+        });
+        backend = b;
+        stats.push(result.unwrap_or_else(|e| panic!("sync to {count} endpoints: {e}")));
+        let oracle = TestNetns::new("nft-counts-oracle");
+        let (s, set) = (snap.clone(), settings.clone());
+        oracle
+            .run(move || {
+                NftablesBackend::new(set)
+                    .sync(&s, &Changes::default(), true)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })
+            .expect("oracle full sync");
+        assert_eq!(
+            sorted_blocks(&list(&ns, IpFamily::V4)),
+            sorted_blocks(&list(&oracle, IpFamily::V4)),
+            "after the partial sync to {count} endpoints"
+        );
+        let drift = ns.run({
+            let b = &backend;
+            move || b.verify().map_err(|e| e.to_string())
+        });
+        assert_eq!(drift, Ok(Vec::new()), "verify after {count} endpoints");
+    }
+    assert!(stats[1..].iter().all(|s| !s.full), "{stats:?}");
+}
