@@ -165,6 +165,9 @@ struct FamilyTables<I> {
     services: BTreeSet<ServiceName>,
     /// Set after a failure: the next sync is full whatever the caller asks.
     needs_full: bool,
+    /// Whether the last successful sync rendered a large cluster (no per-endpoint comments): a
+    /// sync that crosses the threshold is full, so no chain keeps the other style.
+    large_cluster: Option<bool>,
     /// Whether this family has worked on this node (see [`FamilyResults`]).
     results: FamilyResults,
     /// A failure to set route_localnet was logged.
@@ -200,6 +203,7 @@ impl<I: SaveRestore, S: Sysctl> IptablesProxier<I, S> {
             nat_chains: BTreeSet::new(),
             services: BTreeSet::new(),
             needs_full: true,
+            large_cluster: None,
             results: FamilyResults::default(),
             localnet_warned: false,
         });
@@ -361,7 +365,7 @@ impl<I: SaveRestore> FamilyTables<I> {
                 .nat_chains
                 .iter()
                 .any(|c| !rendered.nat.chains.contains_key(c) && !existing_nat.contains(c));
-            if missing {
+            if missing || self.large_cluster != Some(rendered.large_cluster) {
                 full = true;
                 rendered = render::render(snapshot, settings, None);
             }
@@ -383,6 +387,7 @@ impl<I: SaveRestore> FamilyTables<I> {
             rendered.objects() + stale_filter.len() + stale_nat.len() + jumps.0.len() + jumps.1.len();
         self.filter_chains = rendered.filter_chains.clone();
         self.nat_chains = rendered.nat_chains.clone();
+        self.large_cluster = Some(rendered.large_cluster);
         if full {
             self.services = snapshot.services.keys().map(|k| k.service.clone()).collect();
         } else {

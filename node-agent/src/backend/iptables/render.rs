@@ -184,6 +184,8 @@ pub struct Rendered {
     pub endpoints: usize,
     /// Service ports rendered.
     pub services: usize,
+    /// Whether the per-endpoint rules were written without comments ([`large_cluster`]).
+    pub large_cluster: bool,
 }
 
 impl Rendered {
@@ -316,6 +318,18 @@ pub fn postrouting_rules(mark: u32) -> [String; 3] {
     ]
 }
 
+/// More endpoints than this in a family and its per-endpoint rules carry no comments
+/// (kube-proxy's `largeClusterEndpointsThreshold`).
+pub const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
+
+/// Whether `snapshot` is a large cluster: more than [`LARGE_CLUSTER_ENDPOINTS`] endpoints. Its
+/// rules to and in the endpoint chains then carry no `-m comment` (as kube-proxy's do not): three
+/// quarters of the comments at 2 endpoints per service, and each costs restore input, kernel
+/// memory and, in iptables-nft, a compat match that every later restore reads back.
+pub fn large_cluster(snapshot: &Snapshot) -> bool {
+    snapshot.endpoints.values().map(Vec::len).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS
+}
+
 /// Renders `snapshot`. With `changes` (a partial sync) the per-service chains (`SWY-SVC/SVL/EXT/
 /// FW/SEP`) of services not in `changes` are left out; top-level chains are always complete.
 /// Pure and deterministic: services in `ServicePortName` order, chains sorted by name.
@@ -341,13 +355,20 @@ pub fn render(snapshot: &Snapshot, settings: &Settings, changes: Option<&Changes
 
     let mut rendered = Rendered {
         services: snapshot.services.len(),
+        large_cluster: large_cluster(snapshot),
         ..Rendered::default()
     };
     let no_endpoints: Vec<Endpoint> = Vec::new();
     for (name, sp) in &snapshot.services {
         let eps = snapshot.endpoints.get(name).unwrap_or(&no_endpoints);
         let mut own = TableRules::default();
-        render_service(sp, eps, settings, &mut filter, &mut nat, &mut own);
+        render_service(
+            sp,
+            eps,
+            settings,
+            rendered.large_cluster,
+            [&mut filter, &mut nat, &mut own],
+        );
         rendered.endpoints += own.chains.keys().filter(|c| c.starts_with("SWY-SEP-")).count();
         rendered.rules_total += own.rule_count();
         rendered.nat_chains.extend(own.chains.keys().cloned());
@@ -408,11 +429,11 @@ fn render_service(
     sp: &ServicePort,
     eps: &[Endpoint],
     settings: &Settings,
-    filter: &mut TableRules,
-    nat: &mut TableRules,
-    own: &mut TableRules,
+    large_cluster: bool,
+    [filter, nat, own]: [&mut TableRules; 3],
 ) {
-    let port = PortRules::new(sp, eps, settings);
+    let mut port = PortRules::new(sp, eps, settings);
+    port.endpoint_comments = !large_cluster;
     port.cluster_ip(filter, nat, own);
     port.external_ips(filter, nat);
     port.load_balancer_ips(filter, nat);
@@ -435,6 +456,8 @@ struct PortRules<'a> {
     settings: &'a Settings,
     /// The port's name, the base of its comments.
     svc: String,
+    /// Whether the rules to and in its endpoint chains carry comments (not in a large cluster).
+    endpoint_comments: bool,
     proto: &'static str,
     host: &'static str,
     mask: &'static str,
@@ -506,6 +529,7 @@ impl<'a> PortRules<'a> {
             filter_target,
             filter_comment: comment(&filter_comment),
             svc,
+            endpoint_comments: true,
             cluster,
             local,
             has_endpoints,
@@ -717,12 +741,29 @@ impl<'a> PortRules<'a> {
     fn policy_chains(&self, own: &mut TableRules) {
         if !self.cluster.is_empty() {
             own.declare(&self.svc_chain);
-            endpoint_rules(own, &self.svc, self.sp, &self.svc_chain, &self.cluster);
+            endpoint_rules(
+                own,
+                self.endpoint_comment(),
+                self.sp,
+                &self.svc_chain,
+                &self.cluster,
+            );
         }
         if !self.local.is_empty() {
             own.declare(&self.svl_chain);
-            endpoint_rules(own, &self.svc, self.sp, &self.svl_chain, &self.local);
+            endpoint_rules(
+                own,
+                self.endpoint_comment(),
+                self.sp,
+                &self.svl_chain,
+                &self.local,
+            );
         }
+    }
+
+    /// The base of the comments of the rules to and in the endpoint chains, if they carry any.
+    fn endpoint_comment(&self) -> Option<&str> {
+        self.endpoint_comments.then_some(self.svc.as_str())
     }
 
     /// Endpoint chains of every locally reachable endpoint: hairpin masquerade, then the DNAT
@@ -734,8 +775,11 @@ impl<'a> PortRules<'a> {
         reachable.dedup();
         for ep in reachable {
             let sep = ipt_endpoint_chain(&self.sp.name, ep);
-            let text = comment(&self.svc);
-            own.add(&sep, format!("-s {}{host} {text} -j {MARK_MASQ}", ep.ip));
+            let text = self
+                .endpoint_comment()
+                .map(|c| format!(" {}", comment(c)))
+                .unwrap_or_default();
+            own.add(&sep, format!("-s {}{host}{text} -j {MARK_MASQ}", ep.ip));
             let affinity = match self.sp.affinity_timeout_seconds {
                 Some(_) => format!(" -m recent --set --name {sep} --mask {mask} --rsource"),
                 None => String::new(),
@@ -743,7 +787,7 @@ impl<'a> PortRules<'a> {
             own.add(
                 &sep,
                 format!(
-                    "-p {proto} {text}{affinity} -m {proto} -j DNAT --to-destination {}",
+                    "-p {proto}{text}{affinity} -m {proto} -j DNAT --to-destination {}",
                     SocketAddr::new(ep.ip, ep.port)
                 ),
             );
@@ -763,17 +807,34 @@ fn protocol_reject(family: IpFamily, protocol: Protocol) -> Option<&'static str>
     }
 }
 
-/// The affinity rules and the probability cascade of `chain` to `endpoints`.
-fn endpoint_rules(own: &mut TableRules, svc: &str, sp: &ServicePort, chain: &str, endpoints: &[&Endpoint]) {
+/// The affinity rules and the probability cascade of `chain` to `endpoints`, commented with
+/// `svc -> endpoint` unless `svc` is `None` (a large cluster).
+fn endpoint_rules(
+    own: &mut TableRules,
+    svc: Option<&str>,
+    sp: &ServicePort,
+    chain: &str,
+    endpoints: &[&Endpoint],
+) {
     let mask = spelling(sp.family()).mask;
+    // `-m comment …` and a separating space, or nothing.
+    let text = |ep: &Endpoint| {
+        svc.map(|svc| {
+            format!(
+                "{} ",
+                comment(&format!("{svc} -> {}", SocketAddr::new(ep.ip, ep.port)))
+            )
+        })
+        .unwrap_or_default()
+    };
     if let Some(timeout) = sp.affinity_timeout_seconds {
         for ep in endpoints {
             let sep = ipt_endpoint_chain(&sp.name, ep);
             own.add(
                 chain,
                 format!(
-                    "{} -m recent --rcheck --seconds {timeout} --reap --name {sep} --mask {mask} --rsource -j {sep}",
-                    comment(&format!("{svc} -> {}", SocketAddr::new(ep.ip, ep.port)))
+                    "{}-m recent --rcheck --seconds {timeout} --reap --name {sep} --mask {mask} --rsource -j {sep}",
+                    text(ep)
                 ),
             );
         }
@@ -781,17 +842,17 @@ fn endpoint_rules(own: &mut TableRules, svc: &str, sp: &ServicePort, chain: &str
     let n = endpoints.len();
     for (i, ep) in endpoints.iter().enumerate() {
         let sep = ipt_endpoint_chain(&sp.name, ep);
-        let text = comment(&format!("{svc} -> {}", SocketAddr::new(ep.ip, ep.port)));
+        let text = text(ep);
         if i + 1 < n {
             own.add(
                 chain,
                 format!(
-                    "{text} -m statistic --mode random --probability {} -j {sep}",
+                    "{text}-m statistic --mode random --probability {} -j {sep}",
                     probability(n - i)
                 ),
             );
         } else {
-            own.add(chain, format!("{text} -j {sep}"));
+            own.add(chain, format!("{text}-j {sep}"));
         }
     }
 }

@@ -964,3 +964,96 @@ fn fake_saves_exactly_the_golden_rules() {
     assert_eq!(text(IpFamily::V6), normalise(&read_golden("scenario6.rules")));
     assert_eq!(backend.sysctl().get(super::render::ROUTE_LOCALNET), "1");
 }
+
+/// `n` ClusterIP services `big-<i>` with two remote endpoints each.
+fn two_endpoint_services(n: usize) -> Snapshot {
+    let mut s = Snapshot::default();
+    for i in 0..n {
+        let (hi, lo) = (i / 200, i % 200);
+        add(
+            &mut s,
+            port(
+                &format!("big-{i}"),
+                "http",
+                Protocol::Tcp,
+                &format!("10.96.{}.{}", 10 + hi, 10 + lo),
+                80,
+            ),
+            vec![
+                ep(&format!("10.244.{}.{}", 10 + hi, 10 + lo), 8080, REMOTE),
+                ep(&format!("10.245.{}.{}", 10 + hi, 10 + lo), 8080, REMOTE),
+            ],
+        );
+    }
+    s
+}
+
+/// Above 1,000 endpoints (kube-proxy's large-cluster mode) the rules to and in the endpoint
+/// chains lose their comments, the others keep theirs; at 1,000 nothing changes.
+#[test]
+fn iptables_large_clusters_drop_the_per_endpoint_comments() {
+    let count = |snap: &Snapshot| {
+        let r = render(snap, &settings(), None);
+        let text = r.text();
+        let commented = |prefix: &str| {
+            text.lines()
+                .filter(|l| l.starts_with(prefix) && l.contains("-m comment"))
+                .count()
+        };
+        let rules = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
+        (
+            r.large_cluster,
+            commented("-A SWY-SVC-") + commented("-A SWY-SEP-"),
+            rules("-A SWY-SVC-") + rules("-A SWY-SEP-"),
+            commented("-A SWY-SERVICES"),
+        )
+    };
+    // 500 services × 2 = 1,000 endpoints: not large; every per-endpoint rule commented (the SVC
+    // chains' masquerade rule included).
+    let (large, commented, rules, top) = count(&two_endpoint_services(500));
+    assert!(!large);
+    assert_eq!((commented, rules), (500 * 7, 500 * 7));
+    assert_eq!(top, 500 + 1, "a jump per service and the NodePorts rule");
+    // 501 × 2 = 1,002: large; only the SVC chains' masquerade rule keeps its comment, as in
+    // kube-proxy; the top-level jumps keep theirs.
+    let (large, commented, rules, top) = count(&two_endpoint_services(501));
+    assert!(large);
+    assert_eq!((commented, rules), (501, 501 * 7));
+    assert_eq!(top, 501 + 1, "a jump per service and the NodePorts rule");
+}
+
+/// A partial sync that crosses the large-cluster threshold is made full, so that no unchanged
+/// service keeps chains in the other comment style; one that does not cross it stays partial.
+#[test]
+fn iptables_crossing_the_large_cluster_threshold_syncs_in_full() {
+    let tools = IpFamily::ALL.map(FakeIptables::new);
+    let mut backend = IptablesProxier::with_adapters(Variant::Nft, settings(), tools, FakeSysctl::new());
+    let mut snap = two_endpoint_services(500);
+    let sync = |b: &mut IptablesProxier<FakeIptables, FakeSysctl>, s: &Snapshot, names: &[&str], full| {
+        b.sync(&dual(s), &changes(names), full).expect("sync").full
+    };
+    assert!(sync(&mut backend, &snap, &[], true));
+    let before = backend.tools(IpFamily::V4).save(Table::Nat).expect("save");
+    assert!(
+        before.contains("\"ns/big-7:http -> 10.244.10.17:8080\""),
+        "commented while small"
+    );
+    snap = two_endpoint_services(501);
+    assert!(
+        sync(&mut backend, &snap, &["big-500"], false),
+        "the crossing sync is full"
+    );
+    let after = backend.tools(IpFamily::V4).save(Table::Nat).expect("save");
+    assert!(
+        !after.contains(" -> 10.244."),
+        "no per-endpoint comment left once large"
+    );
+    // Staying large: partial again.
+    let mut more = two_endpoint_services(501);
+    more.endpoints.values_mut().next().expect("eps").pop();
+    let first = more.services.keys().next().expect("svc").service.name.clone();
+    assert!(
+        !sync(&mut backend, &more, &[first.as_str()], false),
+        "partial while large"
+    );
+}
