@@ -4,11 +4,14 @@
 //! namespace and measured from the outside: start → every ClusterIP and endpoint in the kernel's
 //! own listing, its sync-duration metric, RSS and CPU at that moment, and API write → kernel for a
 //! new Service (its slice already there) and for one endpoint changed, the kernel polled every
-//! 10 ms with a query for the one object that must change ([`names`]).
+//! 10 ms (or as set) with a query for the one object that must change ([`names`]): netlink
+//! queries for one map element (ours) or one chain (kube-proxy's) in nftables mode, `iptables -S`
+//! of the service chain in iptables mode.
 //!
 //! [`fleet`] is the operator at fleet scale (thousands of Nodes and NodeProxies, played agents).
 //! `src/bin/api-bench.rs` prints the tables; `tests/api_bench.rs` runs the 1k row as a smoke check.
 
+pub mod first_packet;
 pub mod fleet;
 pub mod names;
 pub mod sys;
@@ -75,6 +78,13 @@ fn cluster_ip(index: u32) -> Ipv4Addr {
 impl Model {
     /// `n` Services with `eps` endpoints each.
     pub fn new(n: usize, eps: usize) -> Self {
+        Self::with_counts(n, eps, eps)
+    }
+
+    /// `n` Services, Service `i` with `lo + i mod (hi - lo + 1)` endpoints (every count in
+    /// `lo..=hi` in use when `n` is large enough).
+    pub fn with_counts(n: usize, lo: usize, hi: usize) -> Self {
+        let span = hi.saturating_sub(lo) + 1;
         let mut m = Self {
             services: Vec::with_capacity(n),
             added: Vec::new(),
@@ -82,7 +92,7 @@ impl Model {
             next_added: 0,
         };
         for i in 0..n {
-            let list = (0..eps).map(|_| m.alloc_ep()).collect();
+            let list = (0..lo + i % span).map(|_| m.alloc_ep()).collect();
             m.services.push(BenchSvc {
                 name: format!("b-{i}"),
                 cluster_ip: cluster_ip(i as u32),
@@ -357,10 +367,7 @@ pub fn count_objects(listing: &str, mode: Mode) -> Counts {
 pub fn programmed(proxy: Proxy, netns: &str, svc: &BenchSvc, eps: &[Ipv4Addr]) -> bool {
     let listing = match (proxy, proxy.mode()) {
         (Proxy::Switchyard(_), Mode::Nftables) => return switchyard_nft_programmed(netns, svc, eps),
-        (Proxy::KubeProxy(_), Mode::Nftables) => {
-            let chain = names::nft_service_chain(&svc.name);
-            sys::in_netns(netns, &["nft", "list", "chain", "ip", "kube-proxy", &chain])
-        }
+        (Proxy::KubeProxy(_), Mode::Nftables) => return kube_proxy_nft_programmed(netns, svc, eps),
         (_, Mode::Iptables(v)) => {
             let chain = names::ipt_service_chain(proxy.ipt_prefix(), &svc.name);
             let tool = format!("iptables-{v}");
@@ -368,20 +375,39 @@ pub fn programmed(proxy: Proxy, netns: &str, svc: &BenchSvc, eps: &[Ipv4Addr]) -
         }
     };
     let Ok(text) = listing else { return false };
-    eps.iter().all(|ip| match (proxy, proxy.mode()) {
-        (Proxy::Switchyard(_), Mode::Nftables) => text.contains(&format!("{ip} . {TARGET_PORT}")),
-        // v1.37 DNATs in the service chain (`numgen random mod N map { 0 : ip . port, … }`);
-        // with a chain per endpoint (affinity) the chain's name carries the endpoint.
-        (Proxy::KubeProxy(_), Mode::Nftables) => {
-            text.contains(&format!("{ip} . {TARGET_PORT}"))
-                || text.contains(&names::nft_endpoint_suffix(*ip, TARGET_PORT))
-        }
-        (_, Mode::Iptables(_)) => text.contains(&names::ipt_endpoint_chain(
+    eps.iter().all(|ip| {
+        text.contains(&names::ipt_endpoint_chain(
             proxy.ipt_prefix(),
             &svc.name,
             *ip,
             TARGET_PORT,
-        )),
+        ))
+    })
+}
+
+/// Whether kube-proxy's nft service chain of `svc` DNATs to each of `eps`: v1.37 DNATs in the
+/// service chain, inline for one endpoint (`dnat to ip:port`), else through an anonymous
+/// `numgen random mod N map { 0 : ip . port, … }` replaced with the chain's rule in one
+/// transaction. A rule dump of that chain and an element dump of its maps (netlink, no `nft`
+/// command) find the targets. With a chain per endpoint (affinity, not benchmarked) this would
+/// not find them.
+fn kube_proxy_nft_programmed(netns: &str, svc: &BenchSvc, eps: &[Ipv4Addr]) -> bool {
+    use switchyard_agent::sys::nft::{codec::dnat_value_bytes, other_chain_bytes};
+    const NFPROTO_IPV4: u8 = 2;
+    let chain = names::nft_service_chain(&svc.name);
+    let found = sys::in_netns_thread(netns, || {
+        other_chain_bytes(NFPROTO_IPV4, "kube-proxy", &chain)
+            .map_err(|e| Error::Prerequisite(format!("dump {chain}: {e}")))
+    });
+    let Ok(Some(chain)) = found else { return false };
+    let has = |bytes: &[u8], needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+    eps.iter().all(|ip| {
+        let value = dnat_value_bytes(&(*ip).into(), TARGET_PORT);
+        chain.elements.iter().any(|e| has(e, &value))
+            || chain
+                .rules
+                .iter()
+                .any(|r| has(r, &ip.octets()) && has(r, &TARGET_PORT.to_be_bytes()))
     })
 }
 
@@ -464,6 +490,19 @@ pub struct RunOpts {
     pub period: Duration,
     /// Seconds of idle CPU to measure after the samples (0: none).
     pub idle: Duration,
+    /// Measure the first-packet cost (before the proxy starts and after all rules are in).
+    pub first_packet: Option<first_packet::FlowOpts>,
+}
+
+/// The first-packet cost of new flows to the Services with one endpoint count.
+#[derive(Debug, Clone, Copy)]
+pub struct FirstPacketCell {
+    /// The endpoint count of the Services targeted.
+    pub endpoints: usize,
+    /// µs of CPU per new flow in the node namespace before the proxy started (no rules).
+    pub baseline_us: f64,
+    /// µs of CPU per new flow with the proxy's rules.
+    pub with_rules_us: f64,
 }
 
 /// What one run of one proxy measured.
@@ -489,6 +528,8 @@ pub struct ProxyRun {
     pub partial_sync: Option<(f64, f64)>,
     /// Mean cost of one latency check, ms.
     pub check_ms: f64,
+    /// The round trip of each timed API write (its part of the API write → kernel latency), ms.
+    pub write_ms: Vec<f64>,
     /// Objects in the kernel after the first sync.
     pub counts: Counts,
     /// (ClusterIPs, endpoints) found and expected at start-up.
@@ -497,6 +538,79 @@ pub struct ProxyRun {
     pub at_end: sys::Usage,
     /// CPU seconds over the idle window, if measured.
     pub idle_cpu_s: Option<f64>,
+    /// First-packet cost per endpoint count measured (fewest and most endpoints).
+    pub first_packet: Vec<FirstPacketCell>,
+}
+
+/// Up to 256 Services with the fewest and with the most endpoints of the row: (count, ClusterIPs).
+fn first_packet_targets(model: &Model) -> Vec<(usize, Vec<Ipv4Addr>)> {
+    let counts = model.services.iter().map(|s| s.eps.len());
+    let (Some(lo), Some(hi)) = (counts.clone().min(), counts.max()) else {
+        return Vec::new();
+    };
+    let mut wanted = vec![lo];
+    if hi != lo {
+        wanted.push(hi);
+    }
+    wanted
+        .into_iter()
+        .map(|k| {
+            let ips = model
+                .services
+                .iter()
+                .filter(|s| s.eps.len() == k)
+                .take(256)
+                .map(|s| s.cluster_ip)
+                .collect();
+            (k, ips)
+        })
+        .collect()
+}
+
+/// Pairs the costs before and with the rules, checking that the benchmark's packets met no rules
+/// before and were all DNATed with them (or the numbers would not be of the ruleset).
+fn first_packet_cells(
+    proxy: Proxy,
+    baseline: &[(usize, first_packet::FlowCost)],
+    with_rules: &[(usize, first_packet::FlowCost)],
+    flows: usize,
+) -> Result<Vec<FirstPacketCell>> {
+    baseline
+        .iter()
+        .zip(with_rules)
+        .map(|(&(endpoints, before), &(_, with))| {
+            if before.dnated != 0 || with.dnated != flows {
+                return Err(Error::Prerequisite(format!(
+                    "{}: first-packet flows to {endpoints}-endpoint Services DNATed {} of {flows} \
+                     without rules and {} with them",
+                    proxy.label(),
+                    before.dnated,
+                    with.dnated
+                )));
+            }
+            Ok(FirstPacketCell {
+                endpoints,
+                baseline_us: before.us_per_flow,
+                with_rules_us: with.us_per_flow,
+            })
+        })
+        .collect()
+}
+
+/// The first-packet cost to each target group in `netns` from `src`.
+fn first_packet_costs(
+    netns: &str,
+    src: Ipv4Addr,
+    targets: &[(usize, Vec<Ipv4Addr>)],
+    opts: first_packet::FlowOpts,
+) -> Result<Vec<(usize, first_packet::FlowCost)>> {
+    targets
+        .iter()
+        .map(|(k, ips)| {
+            let cost = first_packet::cost_per_flow(netns, src, ips, PORT, opts)?;
+            Ok((*k, cost))
+        })
+        .collect()
 }
 
 /// Starts `proxy` on `node` (Node object and agent Pod created on the first run of a control
@@ -610,6 +724,17 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// What the latency samples spent outside the proxies: kernel checks and the API writes.
+#[derive(Debug, Default)]
+struct Spent {
+    /// Kernel checks made.
+    checks: u32,
+    /// Time spent in them.
+    checking: Duration,
+    /// Each timed API write's own round trip, ms.
+    writes_ms: Vec<f64>,
+}
+
 /// Waits until `programmed(svc, eps)`, polling every `period`; ms from `since`.
 fn await_change(
     proxy: Proxy,
@@ -618,7 +743,7 @@ fn await_change(
     eps: &[Ipv4Addr],
     since: Instant,
     period: Duration,
-    spent: &mut (u32, Duration),
+    spent: &mut Spent,
 ) -> Result<f64> {
     let limit = Duration::from_secs(120);
     let polled = tokio::task::block_in_place(|| {
@@ -630,8 +755,8 @@ fn await_change(
             format!("{}: {} with {eps:?} in the kernel", proxy.label(), svc.name),
         )
     })?;
-    spent.0 += polled.checks;
-    spent.1 += polled.spent;
+    spent.checks += polled.checks;
+    spent.checking += polled.spent;
     Ok(ms(polled.after))
 }
 
@@ -642,7 +767,7 @@ async fn sample_adds(
     netns: &str,
     model: &mut Model,
     opts: &RunOpts,
-    spent: &mut (u32, Duration),
+    spent: &mut Spent,
 ) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(opts.samples);
     for _ in 0..opts.samples {
@@ -651,6 +776,7 @@ async fn sample_adds(
         tokio::time::sleep(opts.gap).await;
         let t = Instant::now();
         put_service(client, &svc).await?;
+        spent.writes_ms.push(ms(t.elapsed()));
         out.push(await_change(proxy, netns, &svc, &svc.eps, t, opts.period, spent)?);
     }
     Ok(out)
@@ -663,7 +789,7 @@ async fn sample_changes(
     netns: &str,
     model: &mut Model,
     opts: &RunOpts,
-    spent: &mut (u32, Duration),
+    spent: &mut Spent,
 ) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(opts.samples);
     let n = model.services.len();
@@ -677,6 +803,7 @@ async fn sample_changes(
         tokio::time::sleep(opts.gap).await;
         let t = Instant::now();
         put_slice(client, &svc).await?;
+        spent.writes_ms.push(ms(t.elapsed()));
         out.push(await_change(proxy, netns, &svc, &[new], t, opts.period, spent)?);
     }
     Ok(out)
@@ -696,6 +823,14 @@ pub async fn run_proxy(
     if let Mode::Iptables(v) = proxy.mode() {
         play_kubelet(&node.netns, v)?;
     }
+    let targets = first_packet_targets(model);
+    let baseline = match opts.first_packet {
+        Some(fp) => {
+            first_packet::install_sink(&node.netns)?;
+            tokio::task::block_in_place(|| first_packet_costs(&node.netns, node.ip, &targets, fp))?
+        }
+        None => Vec::new(),
+    };
     let t0 = Instant::now();
     let mut running = start_proxy(cp, &node, proxy).await?;
     let (to_rules, listing_cost, at_sync, pid) = tokio::task::block_in_place(|| {
@@ -710,11 +845,16 @@ pub async fn run_proxy(
     );
     let probe = &model.services[0];
     if !programmed(proxy, &node.netns, probe, &probe.eps) {
-        let named: Vec<String> = listing
-            .lines()
-            .filter(|l| l.contains(&format!("/{}/", probe.name)) || l.contains(&format!("/{}:", probe.name)))
-            .take(6)
-            .map(str::to_owned)
+        // The lines naming it, each with the two lines after it (a chain's rules).
+        let lines: Vec<&str> = listing.lines().collect();
+        let named: Vec<String> = lines
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| {
+                l.contains(&format!("/{}/", probe.name)) || l.contains(&format!("/{}:", probe.name))
+            })
+            .take(4)
+            .flat_map(|(i, _)| lines[i..(i + 3).min(lines.len())].iter().map(|l| (*l).to_owned()))
             .collect();
         return Err(Error::Prerequisite(format!(
             "{}: the kernel query for {} ({:?}) does not find it although every rule is listed; the \
@@ -725,7 +865,15 @@ pub async fn run_proxy(
             named.join("\n")
         )));
     }
-    let mut spent = (0, Duration::ZERO);
+    let first_packet = match opts.first_packet {
+        Some(fp) => {
+            let with_rules =
+                tokio::task::block_in_place(|| first_packet_costs(&node.netns, node.ip, &targets, fp))?;
+            first_packet_cells(proxy, &baseline, &with_rules, fp.flows)?
+        }
+        None => Vec::new(),
+    };
+    let mut spent = Spent::default();
     let add_ms = sample_adds(client, proxy, &node.netns, model, opts, &mut spent).await?;
     let (before, partial0) = (sys::usage(pid)?, partial_metric(&node.netns));
     let change_ms = sample_changes(client, proxy, &node.netns, model, opts, &mut spent).await?;
@@ -754,11 +902,13 @@ pub async fn run_proxy(
         add_ms,
         change_ms,
         partial_sync,
-        check_ms: ms(spent.1) / f64::from(spent.0.max(1)),
+        check_ms: ms(spent.checking) / f64::from(spent.checks.max(1)),
+        write_ms: spent.writes_ms,
         counts,
         found,
         at_end,
         idle_cpu_s,
+        first_packet,
     })
 }
 

@@ -3,9 +3,14 @@
 //! ```text
 //! api-bench [--rows 1k,10k,44k,5kx50] [--proxies sy-nft,sy-ipt,kp-nft,kp-ipt] [--variant nft|legacy]
 //!           [--reps 3] [--samples 20] [--gap-ms 1100] [--idle-s 0] [--limit-s 3600] [--concurrency 32]
+//!           [--period-ms 10] [--first-packet] [--flows 20000] [--batches 7]
 //! api-bench --fleet [--nodes 5000] [--waves 10] [--concurrency 32] [--idle-s 0]
 //! ```
-//! Rows are `<N>[k]x<endpoints>` (endpoints default 2); the default is the quick row `1k`. Every
+//! Rows are `<N>[k]x<endpoints>` (endpoints default 2) or `<N>[k]x<lo>-<hi>` (Service `i` with
+//! `lo + i mod (hi - lo + 1)` endpoints: every count in use); the default is the quick row `1k`.
+//! `--first-packet` adds the CPU cost of a new connection's first packet to the Services with the
+//! fewest and the most endpoints, before each proxy starts and with its rules
+//! ([`scale::first_packet`]). Every
 //! proxy runs in a fresh node namespace against one apiserver per row, the proxies interleaved
 //! per repetition; cells are medians over the repetitions. Run as root, with the workspace's
 //! binaries built in the same profile (`cargo build --release --bins` for `--release`).
@@ -21,7 +26,9 @@ use switchyard_e2e::{
 };
 
 struct Args {
-    rows: Vec<(usize, usize)>,
+    rows: Vec<(usize, usize, usize)>,
+    period_ms: u64,
+    first_packet: Option<scale::first_packet::FlowOpts>,
     proxies: Vec<String>,
     variant: &'static str,
     reps: usize,
@@ -35,18 +42,22 @@ struct Args {
     waves: usize,
 }
 
-fn parse_row(s: &str) -> Option<(usize, usize)> {
+fn parse_row(s: &str) -> Option<(usize, usize, usize)> {
     let (n, eps) = s.split_once('x').unwrap_or((s, "2"));
     let n = match n.strip_suffix('k') {
         Some(k) => k.parse::<usize>().ok()? * 1000,
         None => n.parse().ok()?,
     };
-    Some((n, eps.parse().ok()?))
+    let (lo, hi) = eps.split_once('-').unwrap_or((eps, eps));
+    let (lo, hi) = (lo.parse().ok()?, hi.parse().ok()?);
+    (n > 0 && lo > 0 && hi >= lo).then_some((n, lo, hi))
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
     let mut a = Args {
-        rows: vec![(1000, 2)],
+        rows: vec![(1000, 2, 2)],
+        period_ms: 10,
+        first_packet: None,
         proxies: ["sy-nft", "sy-ipt", "kp-nft", "kp-ipt"]
             .map(String::from)
             .to_vec(),
@@ -65,6 +76,10 @@ fn parse_args() -> std::result::Result<Args, String> {
     while let Some(flag) = it.next() {
         if flag == "--fleet" {
             a.fleet = true;
+            continue;
+        }
+        if flag == "--first-packet" {
+            a.first_packet.get_or_insert_with(Default::default);
             continue;
         }
         let value = it.next().ok_or(format!("{flag} needs a value"))?;
@@ -91,6 +106,9 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--concurrency" => a.concurrency = num()? as usize,
             "--nodes" => a.nodes = num()? as usize,
             "--waves" => a.waves = num()? as usize,
+            "--period-ms" => a.period_ms = num()?.max(1),
+            "--flows" => a.first_packet.get_or_insert_with(Default::default).flows = num()? as usize,
+            "--batches" => a.first_packet.get_or_insert_with(Default::default).batches = num()? as usize,
             _ => return Err(format!("unknown flag {flag} {value}")),
         }
     }
@@ -174,6 +192,14 @@ fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
             0,
         ),
         (
+            "the API write's own round trip, both kinds, p50 / p99 (ms)",
+            vec![
+                (|r: &ProxyRun| scale::quantile(&r.write_ms, 0.5)) as Extract,
+                (|r: &ProxyRun| scale::quantile(&r.write_ms, 0.99)) as Extract,
+            ],
+            0,
+        ),
+        (
             "own partial-sync metric per endpoint change (ms)",
             vec![(|r: &ProxyRun| r.partial_sync.map_or(f64::NAN, |p| p.0)) as Extract],
             1,
@@ -233,7 +259,51 @@ fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
     ]
 }
 
-fn print_table(n: usize, eps: usize, proxies: &[Proxy], runs: &[Vec<ProxyRun>]) {
+fn eps_label(lo: usize, hi: usize) -> String {
+    if lo == hi {
+        lo.to_string()
+    } else {
+        format!("{lo}–{hi}")
+    }
+}
+
+/// The first-packet table: per endpoint count, the baseline (no rules; median over every run's
+/// namespace) and each proxy's cost.
+fn print_first_packet(proxies: &[Proxy], runs: &[Vec<ProxyRun>]) {
+    let Some(counts) = runs
+        .first()
+        .and_then(|r| r.first())
+        .map(|r| r.first_packet.iter().map(|c| c.endpoints).collect::<Vec<_>>())
+    else {
+        return;
+    };
+    if counts.is_empty() {
+        return;
+    }
+    let mut head = "| first packet of a new TCP flow, CPU µs per SYN | no rules |".to_owned();
+    for p in proxies {
+        head.push_str(&format!(" {} |", p.label()));
+    }
+    println!("\n{head}");
+    println!("|{}", "---|".repeat(2 + proxies.len()));
+    for (k, endpoints) in counts.iter().enumerate() {
+        let of =
+            |r: &ProxyRun, f: fn(&scale::FirstPacketCell) -> f64| r.first_packet.get(k).map_or(f64::NAN, f);
+        let baseline: Vec<f64> = runs.iter().flatten().map(|r| of(r, |c| c.baseline_us)).collect();
+        let mut line = format!(
+            "| to a Service with {endpoints} endpoint(s) | {:.2} |",
+            scale::median(&baseline)
+        );
+        for r in runs {
+            let v: Vec<f64> = r.iter().map(|r| of(r, |c| c.with_rules_us)).collect();
+            line.push_str(&format!(" {:.2} |", scale::median(&v)));
+        }
+        println!("{line}");
+    }
+    println!();
+}
+
+fn print_table(n: usize, eps: &str, proxies: &[Proxy], runs: &[Vec<ProxyRun>]) {
     let mut pairs = Vec::new();
     for (i, p) in proxies.iter().enumerate() {
         if let Proxy::Switchyard(m) = p
@@ -264,12 +334,13 @@ fn print_table(n: usize, eps: usize, proxies: &[Proxy], runs: &[Vec<ProxyRun>]) 
     println!();
 }
 
-async fn bench_row(a: &Args, n: usize, eps: usize, proxies: &[Proxy]) -> Result<()> {
+async fn bench_row(a: &Args, n: usize, (lo, hi): (usize, usize), proxies: &[Proxy]) -> Result<()> {
+    let eps = eps_label(lo, hi);
     println!("## {n} Services × {eps} endpoints (load average {})", loadavg());
     let cp = ControlPlane::start().await?;
     install_switchyard(&cp)?;
     let client = cp.admin_client().await?;
-    let mut model = Model::new(n, eps);
+    let mut model = Model::with_counts(n, lo, hi);
     let t = std::time::Instant::now();
     scale::bulk_load(&client, &model.services, a.concurrency).await?;
     println!(
@@ -280,8 +351,9 @@ async fn bench_row(a: &Args, n: usize, eps: usize, proxies: &[Proxy]) -> Result<
         samples: a.samples,
         gap: Duration::from_millis(a.gap_ms),
         limit: Duration::from_secs(a.limit_s),
-        period: Duration::from_millis(10),
+        period: Duration::from_millis(a.period_ms),
         idle: Duration::from_secs(a.idle_s),
+        first_packet: a.first_packet,
     };
     let mut runs: Vec<Vec<ProxyRun>> = vec![Vec::new(); proxies.len()];
     for rep in 0..a.reps {
@@ -301,7 +373,8 @@ async fn bench_row(a: &Args, n: usize, eps: usize, proxies: &[Proxy]) -> Result<
             runs[i].push(r);
         }
     }
-    print_table(n, eps, proxies, &runs);
+    print_table(n, &eps, proxies, &runs);
+    print_first_packet(proxies, &runs);
     println!("(load average at the end {})", loadavg());
     Ok(())
 }
@@ -380,8 +453,8 @@ async fn main_result(a: Args) -> Result<()> {
         return Ok(());
     }
     let proxies: Vec<Proxy> = a.proxies.iter().filter_map(|p| proxy_of(p, a.variant)).collect();
-    for (n, eps) in a.rows.clone() {
-        bench_row(&a, n, eps, &proxies).await?;
+    for (n, lo, hi) in a.rows.clone() {
+        bench_row(&a, n, (lo, hi), &proxies).await?;
     }
     Ok(())
 }

@@ -16,11 +16,6 @@ pub fn nft_service_chain(service: &str) -> String {
     format!("service-{}-{base}", hash_base32(&base, 8))
 }
 
-/// The part of kube-proxy's nftables endpoint chain name that names the endpoint.
-pub fn nft_endpoint_suffix(ip: Ipv4Addr, port: u16) -> String {
-    format!("__{ip}/{port}")
-}
-
 /// The iptables service chain (`<prefix>-SVC-…`) of `default/<service>:http`/TCP.
 pub fn ipt_service_chain(prefix: &str, service: &str) -> String {
     format!(

@@ -30,17 +30,25 @@ pub fn nft_elements_in_netns(
     map: &str,
     keys: &[switchyard_agent::sys::nft::ir::Key],
 ) -> Result<Option<Vec<Vec<u8>>>> {
+    in_netns_thread(netns, || {
+        switchyard_agent::sys::nft::get_elements(switchyard_agent::model::IpFamily::V4, map, keys)
+            .map_err(|e| Error::Prerequisite(format!("nft get elements {map} in {netns}: {e}")))
+    })
+}
+
+/// Runs `f` on a thread inside network namespace `netns` (a thread, not a process: the API
+/// benchmark's kernel checks run up to hundreds of times a second).
+pub fn in_netns_thread<T: Send>(netns: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
     let path = format!("/run/netns/{netns}");
     std::thread::scope(|s| {
         s.spawn(|| {
             let ns = File::open(&path).map_err(io_err(format!("open {path}")))?;
             setns(ns.as_fd(), CloneFlags::CLONE_NEWNET)
                 .map_err(|e| Error::Prerequisite(format!("setns {netns}: {e}")))?;
-            switchyard_agent::sys::nft::get_elements(switchyard_agent::model::IpFamily::V4, map, keys)
-                .map_err(|e| Error::Prerequisite(format!("nft get elements {map} in {netns}: {e}")))
+            f()
         })
         .join()
-        .map_err(|_| Error::Prerequisite(format!("nft element query thread in {netns} panicked")))?
+        .map_err(|_| Error::Prerequisite(format!("thread in {netns} panicked")))?
     })
 }
 

@@ -281,6 +281,71 @@ fn other_table_exists_on(transport: &Transport, family: u8, name: &str) -> Resul
         .any(|r| r.error.is_some_and(|e| e != 0)))
 }
 
+/// The rules of another component's chain `chain` in table `table` and the elements of the
+/// anonymous sets and maps they read (a rule dump of that one chain, then an element dump of each
+/// `__map`/`__set` it names), as raw attribute bytes; `None` when a dump fails (the chain or
+/// table is gone). Read only: the API benchmark sees kube-proxy's nftables service chain (an
+/// inline `dnat to`, or a `numgen … map` of targets) serve an endpoint without any `nft` command,
+/// which would read the whole table first.
+pub fn other_chain_bytes(family: u8, table: &str, chain: &str) -> Result<Option<ChainBytes>> {
+    const NFT_MSG_GETRULE: u16 = 7;
+    const NFT_MSG_GETSETELEM: u16 = 13;
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let dump = |msg: u16, object: &str| {
+        // NFTA_RULE_TABLE / NFTA_SET_ELEM_LIST_TABLE (1), NFTA_RULE_CHAIN / ..._LIST_SET (2).
+        let request = MessageBuilder::new(
+            nft_kind(msg),
+            NLM_F_REQUEST | codec::NLM_F_DUMP,
+            1,
+            &nfgenmsg(family, 0),
+        )
+        .attr_str(1, table)
+        .attr_str(2, object)
+        .finish();
+        let replies = transport.dump(&request)?;
+        Ok::<_, crate::Error>(
+            (!replies.iter().any(|r| r.error.is_some_and(|e| e != 0)))
+                .then(|| replies.into_iter().map(|r| r.payload).collect::<Vec<_>>()),
+        )
+    };
+    let Some(rules) = dump(NFT_MSG_GETRULE, chain)? else {
+        return Ok(None);
+    };
+    let mut elements = Vec::new();
+    for set in rules.iter().flat_map(|r| anonymous_set_names(r)) {
+        match dump(NFT_MSG_GETSETELEM, &set)? {
+            Some(found) => elements.extend(found),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(ChainBytes { rules, elements }))
+}
+
+/// What [`other_chain_bytes`] read: one payload per rule and per anonymous-set element.
+#[derive(Debug, Clone, Default)]
+pub struct ChainBytes {
+    /// The chain's rules.
+    pub rules: Vec<Vec<u8>>,
+    /// The elements of the anonymous sets and maps they read.
+    pub elements: Vec<Vec<u8>>,
+}
+
+/// The anonymous set names (`__map<N>`, `__set<N>`, NUL-terminated attributes) in a rule's bytes.
+fn anonymous_set_names(rule: &[u8]) -> Vec<String> {
+    let mut names = Vec::new();
+    for start in 0..rule.len() {
+        let rest = &rule[start..];
+        if !(rest.starts_with(b"__map") || rest.starts_with(b"__set")) {
+            continue;
+        }
+        let digits = rest[5..].iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits > 0 && rest.get(5 + digits) == Some(&0) {
+            names.push(String::from_utf8_lossy(&rest[..5 + digits]).into_owned());
+        }
+    }
+    names
+}
+
 /// Deletes another component's table `name` in `family` (used only to take over from
 /// kube-proxy). Returns whether it existed.
 pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
