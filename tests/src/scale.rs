@@ -542,6 +542,20 @@ pub struct ProxyRun {
     pub first_packet: Vec<FirstPacketCell>,
 }
 
+impl ProxyRun {
+    /// Per latency sample (new Services, then endpoint changes), the time from the API write's
+    /// response to the kernel, ms (0 when the kernel had it first): the proxy's part and the
+    /// check's, without the apiserver's own write latency, which both proxies pay alike.
+    pub fn after_write_ms(&self) -> Vec<f64> {
+        self.add_ms
+            .iter()
+            .chain(&self.change_ms)
+            .zip(&self.write_ms)
+            .map(|(total, write)| (total - write).max(0.0))
+            .collect()
+    }
+}
+
 /// Up to 256 Services with the fewest and with the most endpoints of the row: (count, ClusterIPs).
 fn first_packet_targets(model: &Model) -> Vec<(usize, Vec<Ipv4Addr>)> {
     let counts = model.services.iter().map(|s| s.eps.len());

@@ -200,6 +200,14 @@ fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
             0,
         ),
         (
+            "both kinds from the write's response → kernel p50 / p99 (ms)",
+            vec![
+                (|r: &ProxyRun| scale::quantile(&r.after_write_ms(), 0.5)) as Extract,
+                (|r: &ProxyRun| scale::quantile(&r.after_write_ms(), 0.99)) as Extract,
+            ],
+            0,
+        ),
+        (
             "own partial-sync metric per endpoint change (ms)",
             vec![(|r: &ProxyRun| r.partial_sync.map_or(f64::NAN, |p| p.0)) as Extract],
             1,
