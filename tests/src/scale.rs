@@ -858,7 +858,17 @@ pub async fn run_proxy(
         model.expected(),
     );
     let probe = &model.services[0];
-    if !programmed(proxy, &node.netns, probe, &probe.eps) {
+    // Polled, not asked once: a proxy may hold the xtables lock past the check's wait (kube-proxy
+    // restoring 44k Services with iptables-legacy), which reads as not found.
+    let probed = tokio::task::block_in_place(|| {
+        poll_until(
+            Instant::now(),
+            Duration::from_secs(300),
+            Duration::from_millis(200),
+            || programmed(proxy, &node.netns, probe, &probe.eps),
+        )
+    });
+    if probed.is_none() {
         // The lines naming it, each with the two lines after it (a chain's rules).
         let lines: Vec<&str> = listing.lines().collect();
         let named: Vec<String> = lines

@@ -366,7 +366,15 @@ async fn bench_row(a: &Args, n: usize, (lo, hi): (usize, usize), proxies: &[Prox
     let mut runs: Vec<Vec<ProxyRun>> = vec![Vec::new(); proxies.len()];
     for rep in 0..a.reps {
         for (i, p) in proxies.iter().enumerate() {
-            let r = scale::run_proxy(&cp, &client, &mut model, *p, &opts).await?;
+            let r = match scale::run_proxy(&cp, &client, &mut model, *p, &opts).await {
+                Ok(r) => r,
+                Err(e) => {
+                    // What the row measured so far is not lost with it.
+                    println!("rep {rep} {}: failed: {e}", p.label());
+                    print_table(n, &eps, proxies, &runs);
+                    return Err(e);
+                }
+            };
             println!(
                 "rep {rep} {}: rules {:.2} s, sync {:?}, add p50 {:.0} ms, change p50 {:.0} ms, RSS {:.0} MiB, CPU {:.2} s (load {})",
                 p.label(),
