@@ -310,7 +310,8 @@ impl Table {
         removed: &[Fragment],
         added: impl Iterator<Item = &'a Fragment>,
     ) -> Vec<String> {
-        let before: BTreeSet<(&'static str, u32)> = self.endpoint_maps.keys().copied().collect();
+        let counts = |maps: &EndpointMaps| render::ENDPOINT_MAP_KINDS.map(|k| render::counts_of(maps, k));
+        let before = counts(&self.endpoint_maps);
         for m in removed.iter().flat_map(render::endpoint_maps) {
             if let Some(n) = self.endpoint_maps.get_mut(&m) {
                 *n -= 1;
@@ -322,13 +323,9 @@ impl Table {
         for m in added.flat_map(render::endpoint_maps) {
             *self.endpoint_maps.entry(m).or_default() += 1;
         }
-        let after: BTreeSet<(&'static str, u32)> = self.endpoint_maps.keys().copied().collect();
+        let after = counts(&self.endpoint_maps);
         let mut stale_sets = Vec::new();
-        for kind in render::ENDPOINT_MAP_KINDS {
-            let counts = |maps: &BTreeSet<(&'static str, u32)>| -> BTreeSet<u32> {
-                maps.iter().filter(|(k, _)| *k == kind).map(|(_, n)| *n).collect()
-            };
-            let (old, new) = (counts(&before), counts(&after));
+        for ((kind, old), new) in render::ENDPOINT_MAP_KINDS.into_iter().zip(before).zip(after) {
             if old != new {
                 let (old, new) = (render::dispatch(kind, &old), render::dispatch(kind, &new));
                 stale_sets.extend(self.update_dispatch(batch, kind, &old, &new));

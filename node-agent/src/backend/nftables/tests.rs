@@ -88,6 +88,21 @@ fn sorted_blocks(listing: &str) -> Vec<String> {
     blocks
 }
 
+/// A fresh namespace `name` holding a full sync of `snap` by a new backend: the oracle a partial
+/// sync's result is compared with.
+fn fully_synced(name: &str, snap: &crate::model::DualSnapshot, settings: &Settings) -> TestNetns {
+    let ns = TestNetns::new(name);
+    let (snap, settings) = (snap.clone(), settings.clone());
+    ns.run(move || {
+        NftablesBackend::new(settings)
+            .sync(&snap, &Changes::default(), true)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .expect("oracle full sync");
+    ns
+}
+
 #[test]
 fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     let (mut snap, settings) = dual_scenario();
@@ -163,17 +178,7 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
         "single-stack change"
     );
     // The result equals a fresh full render of the new snapshot.
-    let oracle = TestNetns::new("nft-partial-oracle");
-    let s3 = snap.clone();
-    let set3 = settings.clone();
-    oracle
-        .run(move || {
-            NftablesBackend::new(set3)
-                .sync(&s3, &Changes::default(), true)
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        })
-        .expect("oracle");
+    let oracle = fully_synced("nft-partial-oracle", &snap, &settings);
     assert_eq!(
         sorted_blocks(&listed),
         sorted_blocks(&list(&oracle, IpFamily::V4))
@@ -661,16 +666,7 @@ fn partial_syncs_through_many_endpoint_counts_match_a_full_sync() {
         });
         backend = b;
         stats.push(result.unwrap_or_else(|e| panic!("sync to {count} endpoints: {e}")));
-        let oracle = TestNetns::new("nft-counts-oracle");
-        let (s, set) = (snap.clone(), settings.clone());
-        oracle
-            .run(move || {
-                NftablesBackend::new(set)
-                    .sync(&s, &Changes::default(), true)
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            })
-            .expect("oracle full sync");
+        let oracle = fully_synced("nft-counts-oracle", &snap, &settings);
         assert_eq!(
             sorted_blocks(&list(&ns, IpFamily::V4)),
             sorted_blocks(&list(&oracle, IpFamily::V4)),
