@@ -381,6 +381,19 @@ fn error_policy(policy: Arc<DynamicObject>, error: &Error, ctx: Arc<Context>) ->
 }
 
 /// The planner's inputs from the caches, with this term's own writes laid over them.
+/// How soon a reconcile whose policy cache lags the triggering version runs again.
+const CACHE_BEHIND_REQUEUE: Duration = Duration::from_millis(100);
+
+/// Whether the cache `cached` holds `policy` at its resource version (compared for equality only:
+/// versions are opaque). A watch delivers in order, so the cache then also holds every policy
+/// written before it.
+fn cache_holds(cached: &[Arc<ProxyPolicy>], policy: &ProxyPolicy) -> bool {
+    cached.iter().any(|p| {
+        p.metadata.uid == policy.metadata.uid
+            && p.metadata.resource_version == policy.metadata.resource_version
+    })
+}
+
 pub(crate) fn snapshot(
     ctx: &Context,
     current: &ProxyPolicy,
@@ -492,6 +505,13 @@ async fn reconcile_policy(policy: Arc<ProxyPolicy>, ctx: Arc<Context>) -> Result
         return Ok(action);
     }
     let name = policy.name_any();
+    // The Controller's watch and the planner's cache are two streams: plan only once the cache has
+    // seen this very version, so every policy created before it (an overlapping one of higher
+    // priority in the same apply) is in the plan too.
+    if !cache_holds(&ctx.stores.policies.state(), &policy) {
+        tracing::debug!(policy = %name, "policy cache behind the triggering version; requeued");
+        return Ok(Action::requeue(CACHE_BEHIND_REQUEUE));
+    }
     // A NodeProxy re-created with an empty spec gets its spec back before anything is planned.
     fleet::restore_recreated(&ctx).await;
     let (policies, nodes, proxies) = snapshot(&ctx, &policy);
@@ -633,5 +653,30 @@ pub(crate) async fn publish(ctx: &Context, policy: &ProxyPolicy, event: &PlanEve
     tracing::info!(policy = %policy.name_any(), reason = event.reason.as_str(), note = %event.note, "event");
     if let Err(e) = ctx.recorder.publish(&ev, &policy.object_ref(&())).await {
         tracing::warn!(error = %e, reason = event.reason.as_str(), "could not publish event");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(uid: &str, version: &str) -> Arc<ProxyPolicy> {
+        let mut p = ProxyPolicy::new(
+            "p",
+            serde_json::from_value(json!({"mode": "nftables"})).expect("spec"),
+        );
+        p.metadata.uid = Some(uid.into());
+        p.metadata.resource_version = Some(version.into());
+        Arc::new(p)
+    }
+
+    #[test]
+    fn cache_holds_only_the_same_version() {
+        let cached = [policy("a", "5"), policy("b", "7")];
+        assert!(cache_holds(&cached, &policy("a", "5")));
+        // Behind (or ahead of) the Controller's watch, or not there yet: not current.
+        assert!(!cache_holds(&cached, &policy("a", "6")));
+        assert!(!cache_holds(&cached, &policy("c", "7")));
+        assert!(!cache_holds(&[], &policy("a", "5")));
     }
 }

@@ -416,7 +416,7 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
     }
     let mut late = late.expect("late replica");
     assert!(late.running(), "the late replica exited:\n{}", late.log_text());
-    eventually(Duration::from_secs(20), "late replica sees the API", || async {
+    eventually(LIMIT, "late replica sees the API", || async {
         late.healthz()
             .filter(|t| t.contains("200 OK") && !t.contains("unreachable"))
     })
@@ -426,7 +426,7 @@ async fn control_plane_killed_mid_wave_next_wave_within_soak_plus_5s() {
         .await
         .expect("leader");
     println!("leader after the outage: {holder}");
-    eventually(Duration::from_secs(20), "healthz recovered", || async {
+    eventually(LIMIT, "healthz recovered", || async {
         ops.iter()
             .all(|op| {
                 op.get("/healthz")
@@ -566,7 +566,7 @@ async fn policy_deleted_mid_rollout_releases_nodes_in_their_current_mode() {
     })
     .await;
     for n in &names {
-        let evs = eventually(Duration::from_secs(20), "Released event", || async {
+        let evs = eventually(LIMIT, "Released event", || async {
             let e = events_of(&admin, n).await;
             e.iter().any(|(r, _)| r == "Released").then_some(e)
         })
@@ -676,7 +676,7 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
     write_agent_status(&admin, &name, agent_status("iptables", "Verifying", None))
         .await
         .expect("status");
-    let restored = wait_np(&admin, &name, Duration::from_secs(20), "spec restored", |np| {
+    let restored = wait_np(&admin, &name, LIMIT, "spec restored", |np| {
         np.uid() != node.uid() && np.spec == node.spec
     })
     .await;
@@ -688,7 +688,7 @@ async fn nodeproxy_deleted_mid_switch_gets_its_spec_back() {
         restored.labels().get(POLICY_LABEL).map(String::as_str),
         Some("pool-a")
     );
-    let evs = eventually(Duration::from_secs(20), "SpecRestored event", || async {
+    let evs = eventually(LIMIT, "SpecRestored event", || async {
         let e = events_of(&admin, &name).await;
         e.iter().any(|(r, _)| r == "SpecRestored").then_some(e)
     })

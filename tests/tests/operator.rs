@@ -558,16 +558,11 @@ async fn failures_conflicts_and_compatibility() {
     let _op = Operator::start(&env.cp, "op-1", &[]).await.expect("operator");
 
     // Overlap: b-low (priority 0, iptables) and b-high (priority 10, nftables) both select pool b.
+    // b-high is written first, so b-low is never planned without it (the operator plans a policy
+    // only from a cache that holds the policy's own version, and so everything written before it).
     apply_policy(
         &env.cp,
         r#"apiVersion: switchyard.dev/v1alpha1
-kind: ProxyPolicy
-metadata: {name: b-low}
-spec:
-  nodeSelector: {matchExpressions: [{key: pool, operator: In, values: [b]}]}
-  mode: iptables
----
-apiVersion: switchyard.dev/v1alpha1
 kind: ProxyPolicy
 metadata: {name: b-high}
 spec:
@@ -578,6 +573,13 @@ spec:
     paused: true
     failurePolicy: pause
     waves: [{name: canary, nodes: 1}, {name: rest, nodes: 100%}]
+---
+apiVersion: switchyard.dev/v1alpha1
+kind: ProxyPolicy
+metadata: {name: b-low}
+spec:
+  nodeSelector: {matchExpressions: [{key: pool, operator: In, values: [b]}]}
+  mode: iptables
 "#,
     );
     let low = wait_status(&policies, "b-low", "conflict on b-low", |s| {
