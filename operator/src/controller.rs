@@ -663,7 +663,7 @@ mod tests {
     fn policy(uid: &str, version: &str) -> Arc<ProxyPolicy> {
         let mut p = ProxyPolicy::new(
             "p",
-            serde_json::from_value(json!({"mode": "nftables"})).expect("spec"),
+            serde_json::from_value(json!({"nodeSelector": {}, "mode": "nftables"})).expect("spec"),
         );
         p.metadata.uid = Some(uid.into());
         p.metadata.resource_version = Some(version.into());
