@@ -18,8 +18,7 @@ use switchyard_agent::{
 };
 use switchyard_crds::v1alpha1::ProxyMode;
 
-/// The image's static musl build allocates through mimalloc (see Cargo.toml).
-#[cfg(target_env = "musl")]
+/// mimalloc in every build (see Cargo.toml): the benchmarks measure the allocator that ships.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -128,6 +127,8 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: a Pod's log (kubectl logs, a log shipper) reads plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -57,6 +57,8 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: a Pod's log (kubectl logs, a log shipper) reads plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(Args::parse()).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -183,7 +183,7 @@ pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<En
                             ready,
                             serving,
                             terminating,
-                            node_name: e.node_name.clone(),
+                            node_name: e.node_name.as_deref().map(Into::into),
                             zone_hints: zone_hints.clone(),
                         })
                 })

@@ -219,8 +219,9 @@ pub struct Endpoint {
     pub serving: bool,
     /// `conditions.terminating`.
     pub terminating: bool,
-    /// Node hosting the endpoint.
-    pub node_name: Option<String>,
+    /// Node hosting the endpoint (shared by the copies of the endpoint: the tracker's and each
+    /// snapshot's).
+    pub node_name: Option<std::sync::Arc<str>>,
     /// Zones from `hints.forZones` (topology-aware routing).
     pub zone_hints: Vec<String>,
 }

@@ -38,6 +38,55 @@ struct TrackedService {
     ports: Vec<ServicePort>,
 }
 
+/// One Service event converted to what the tracker keeps (the API object can then be dropped).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceEntry {
+    key: ServiceName,
+    /// None: nothing to program (headless, ExternalName, no ports): removed if kept.
+    tracked: Option<TrackedService>,
+}
+
+impl ServiceEntry {
+    /// The entry of `svc`; None for an object without a namespace or name.
+    pub fn of(svc: &Service) -> Option<Self> {
+        let key = ServiceName {
+            namespace: svc.metadata.namespace.clone()?,
+            name: svc.metadata.name.clone()?,
+        };
+        let label = svc
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL))
+            .cloned();
+        let ports = convert::service_ports(svc, label.as_deref());
+        let tracked = (!ports.is_empty()).then_some(TrackedService { label, ports });
+        Some(Self { key, tracked })
+    }
+}
+
+/// One EndpointSlice event converted to what the tracker keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceEntry {
+    key: SliceKey,
+    service: ServiceName,
+    endpoints: SliceEndpoints,
+}
+
+impl SliceEntry {
+    /// The entry of `slice`; None for an object without a namespace, name or Service label
+    /// (such a slice is not tracked).
+    pub fn of(slice: &EndpointSlice) -> Option<Self> {
+        let key = (slice.metadata.namespace.clone()?, slice.metadata.name.clone()?);
+        let service = convert::slice_service(slice)?;
+        Some(Self {
+            key,
+            service,
+            endpoints: convert::slice_endpoints(slice),
+        })
+    }
+}
+
 /// One incrementally kept snapshot and the Services changed since it was last brought up to date.
 #[derive(Debug, Default)]
 struct Buffer {
@@ -129,21 +178,13 @@ impl Tracker {
 
     /// A Service was added or updated. Returns whether anything this proxy programs changed.
     pub fn apply_service(&mut self, svc: &Service) -> bool {
-        let (Some(namespace), Some(name)) = (svc.metadata.namespace.clone(), svc.metadata.name.clone())
-        else {
-            return false;
-        };
-        let key = ServiceName { namespace, name };
-        let label = svc
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(SERVICE_PROXY_NAME_LABEL))
-            .cloned();
-        let ports = convert::service_ports(svc, label.as_deref());
-        let entry = (!ports.is_empty()).then_some(TrackedService { label, ports });
-        let changed = self.visible(self.services.get(&key)) != self.visible(entry.as_ref());
-        match entry {
+        ServiceEntry::of(svc).is_some_and(|e| self.put_service(e))
+    }
+
+    /// Stores one converted Service (none: removed); returns whether anything programmed changed.
+    fn put_service(&mut self, ServiceEntry { key, tracked }: ServiceEntry) -> bool {
+        let changed = self.visible(self.services.get(&key)) != self.visible(tracked.as_ref());
+        match tracked {
             Some(e) => self.services.insert(key.clone(), e),
             None => self.services.remove(&key),
         };
@@ -169,15 +210,18 @@ impl Tracker {
 
     /// An EndpointSlice was added or updated.
     pub fn apply_slice(&mut self, slice: &EndpointSlice) -> bool {
-        let (Some(namespace), Some(name)) = (slice.metadata.namespace.clone(), slice.metadata.name.clone())
-        else {
-            return false;
-        };
-        let Some(service) = convert::slice_service(slice) else {
-            return false;
-        };
-        let endpoints = convert::slice_endpoints(slice);
-        let key = (namespace, name);
+        SliceEntry::of(slice).is_some_and(|e| self.put_slice(e))
+    }
+
+    /// Stores one converted EndpointSlice; returns whether it changed anything.
+    fn put_slice(
+        &mut self,
+        SliceEntry {
+            key,
+            service,
+            endpoints,
+        }: SliceEntry,
+    ) -> bool {
         if self
             .slices
             .get(&key)
@@ -208,9 +252,15 @@ impl Tracker {
 
     /// Replaces all Services (a watch relist); marks every added, changed or vanished one.
     pub fn reset_services(&mut self, all: &[Service]) {
+        self.reset_service_entries(all.iter().filter_map(ServiceEntry::of));
+    }
+
+    /// [`Tracker::reset_services`] from Services converted as they arrived (a relist then holds
+    /// the model values, not the API objects).
+    pub fn reset_service_entries(&mut self, all: impl IntoIterator<Item = ServiceEntry>) {
         let old = std::mem::take(&mut self.services);
-        for svc in all {
-            self.apply_service(svc);
+        for entry in all {
+            self.put_service(entry);
         }
         for (name, entry) in &old {
             if self.visible(Some(entry)) != self.visible(self.services.get(name)) {
@@ -222,10 +272,15 @@ impl Tracker {
 
     /// Replaces all EndpointSlices (a watch relist).
     pub fn reset_slices(&mut self, all: &[EndpointSlice]) {
+        self.reset_slice_entries(all.iter().filter_map(SliceEntry::of));
+    }
+
+    /// [`Tracker::reset_slices`] from EndpointSlices converted as they arrived.
+    pub fn reset_slice_entries(&mut self, all: impl IntoIterator<Item = SliceEntry>) {
         let old = std::mem::take(&mut self.slices);
         self.slices_of.clear();
-        for slice in all {
-            self.apply_slice(slice);
+        for entry in all {
+            self.put_slice(entry);
         }
         for (key, (service, eps)) in old {
             if self.slices.get(&key) != Some(&(service.clone(), eps)) {

@@ -16,7 +16,13 @@ use kube::{
 use switchyard_crds::v1alpha1::{HealthGate, NodeProxy, ProbeTarget, ProxySettings};
 use tokio::sync::Notify;
 
-use crate::{Result, health::ProxyHealth, metrics::Metrics, model::tracker::Tracker, switch::Desired};
+use crate::{
+    Result,
+    health::ProxyHealth,
+    metrics::Metrics,
+    model::tracker::{ServiceEntry, SliceEntry, Tracker},
+    switch::Desired,
+};
 
 /// The agent's own NodeProxy spec, as last seen.
 #[derive(Debug, Clone, Default)]
@@ -132,26 +138,35 @@ trait Tracked:
 {
     /// Watch name for errors.
     const WHAT: &'static str;
+    /// What the tracker keeps of one object: a relist collects these, not the API objects (at
+    /// 250k endpoints the objects cost several times the model).
+    type Entry: Send;
     /// An add or update; returns whether anything programmed changed.
     fn apply(tracker: &mut Tracker, obj: &Self) -> bool;
     /// A delete.
     fn delete(tracker: &mut Tracker, namespace: &str, name: &str) -> bool;
+    /// The entry of one relisted object (None: not tracked).
+    fn entry(obj: &Self) -> Option<Self::Entry>;
     /// A relist.
-    fn reset(tracker: &mut Tracker, all: &[Self]);
+    fn reset(tracker: &mut Tracker, all: Vec<Self::Entry>);
     /// The metric to count a change with.
     fn counter(metrics: &Metrics) -> &prometheus_client::metrics::counter::Counter;
 }
 
 impl Tracked for Service {
     const WHAT: &'static str = "service";
+    type Entry = ServiceEntry;
     fn apply(t: &mut Tracker, o: &Self) -> bool {
         t.apply_service(o)
     }
     fn delete(t: &mut Tracker, ns: &str, name: &str) -> bool {
         t.delete_service(ns, name)
     }
-    fn reset(t: &mut Tracker, all: &[Self]) {
-        t.reset_services(all)
+    fn entry(o: &Self) -> Option<ServiceEntry> {
+        ServiceEntry::of(o)
+    }
+    fn reset(t: &mut Tracker, all: Vec<ServiceEntry>) {
+        t.reset_service_entries(all)
     }
     fn counter(m: &Metrics) -> &prometheus_client::metrics::counter::Counter {
         &m.service_changes_total
@@ -160,14 +175,18 @@ impl Tracked for Service {
 
 impl Tracked for EndpointSlice {
     const WHAT: &'static str = "endpointslice";
+    type Entry = SliceEntry;
     fn apply(t: &mut Tracker, o: &Self) -> bool {
         t.apply_slice(o)
     }
     fn delete(t: &mut Tracker, ns: &str, name: &str) -> bool {
         t.delete_slice(ns, name)
     }
-    fn reset(t: &mut Tracker, all: &[Self]) {
-        t.reset_slices(all)
+    fn entry(o: &Self) -> Option<SliceEntry> {
+        SliceEntry::of(o)
+    }
+    fn reset(t: &mut Tracker, all: Vec<SliceEntry>) {
+        t.reset_slice_entries(all)
     }
     fn counter(m: &Metrics) -> &prometheus_client::metrics::counter::Counter {
         &m.endpoint_changes_total
@@ -281,10 +300,11 @@ fn api_metrics(shared: &Shared) {
 }
 
 /// Applies one watch event of a tracked kind; returns whether anything programmed changed.
-/// `init` collects a relist until it is done, which then replaces the kind's whole state.
-fn track_event<K: Tracked>(t: &mut Tracker, init: &mut Vec<K>, event: watcher::Event<K>) -> bool {
+/// `init` collects a relist (converted as it arrives) until it is done, which then replaces the
+/// kind's whole state.
+fn track_event<K: Tracked>(t: &mut Tracker, init: &mut Vec<K::Entry>, event: watcher::Event<K>) -> bool {
     match event {
-        watcher::Event::Apply(o) => K::apply(t, &trim(o)),
+        watcher::Event::Apply(o) => K::apply(t, &o),
         watcher::Event::Delete(o) => K::delete(
             t,
             o.meta().namespace.as_deref().unwrap_or_default(),
@@ -295,11 +315,11 @@ fn track_event<K: Tracked>(t: &mut Tracker, init: &mut Vec<K>, event: watcher::E
             false
         }
         watcher::Event::InitApply(o) => {
-            init.push(trim(o));
+            init.extend(K::entry(&o));
             false
         }
         watcher::Event::InitDone => {
-            K::reset(t, &std::mem::take(init));
+            K::reset(t, std::mem::take(init));
             true
         }
     }
@@ -308,7 +328,8 @@ fn track_event<K: Tracked>(t: &mut Tracker, init: &mut Vec<K>, event: watcher::E
 /// Feeds one kind's watch events into the tracker; a relist replaces the kind's whole state.
 /// Never ends: errors are retried with [`WatchBackoff`].
 async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Result<()> {
-    let mut init: Vec<K> = Vec::new();
+    let mut init: Vec<K::Entry> = Vec::new();
+    let mut listing_since = std::time::Instant::now();
     let mut stream = watcher(Api::<K>::all(client), watcher::Config::default())
         .backoff(WatchBackoff::new())
         .boxed();
@@ -316,6 +337,16 @@ async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Resul
         let Some(event) = watch_item(&shared, K::WHAT, item) else {
             continue;
         };
+        match &event {
+            watcher::Event::Init => listing_since = std::time::Instant::now(),
+            watcher::Event::InitDone => tracing::info!(
+                watch = K::WHAT,
+                tracked = init.len(),
+                millis = listing_since.elapsed().as_millis() as u64,
+                "listed"
+            ),
+            _ => {}
+        }
         let changed = track_event(&mut lock(&shared.tracker), &mut init, event);
         if changed {
             K::counter(&shared.metrics).inc();
@@ -444,14 +475,15 @@ mod tests {
             &mut init,
             watcher::Event::Apply(service("a"))
         ));
-        assert!(!track_event(&mut t, &mut init, watcher::Event::Init));
+        assert!(!track_event(&mut t, &mut init, watcher::Event::<Service>::Init));
         assert!(!track_event(
             &mut t,
             &mut init,
             watcher::Event::InitApply(service("b"))
         ));
         assert_eq!(init.len(), 1);
-        assert!(init[0].metadata.managed_fields.is_none(), "trimmed");
+        // Kept as the tracker's entry, not as the API object.
+        assert_eq!(Some(&init[0]), ServiceEntry::of(&service("b")).as_ref());
         assert!(track_event(
             &mut t,
             &mut init,

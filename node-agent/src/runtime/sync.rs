@@ -90,13 +90,23 @@ pub(super) fn record_success(
         .get_or_create(&label)
         .set(stats.objects_written as i64);
     health.updated();
-    tracing::debug!(
-        full = stats.full,
-        services = stats.services,
-        objects = stats.objects_written,
-        millis = synced.took.as_millis() as u64,
-        "synced"
-    );
+    // Full syncs are rare (the first, after a failure, a relist, a settings change) and what a
+    // start-up's time goes to: logged at info; the incremental ones at debug.
+    if stats.full {
+        tracing::info!(
+            services = stats.services,
+            objects = stats.objects_written,
+            millis = synced.took.as_millis() as u64,
+            "full sync"
+        );
+    } else {
+        tracing::debug!(
+            services = stats.services,
+            objects = stats.objects_written,
+            millis = synced.took.as_millis() as u64,
+            "synced"
+        );
+    }
     health_servers.sync(health_check_ports(snapshot, settings));
     no_local_endpoints(snapshot, settings, metrics);
 }

@@ -26,6 +26,7 @@ use std::{
     borrow::Cow,
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    sync::Arc,
 };
 
 use super::ir::{
@@ -513,7 +514,7 @@ fn cascade(name: &ServicePortName, eps: &[&Endpoint], affinity: bool) -> Vec<Rul
 /// count-bit set of each bit set in n (the dispatch trie's tests).
 fn slots(
     set: &'static str,
-    comment: &str,
+    comment: &Arc<str>,
     eps: &[&Endpoint],
     dest: impl Fn(Slot) -> Key,
 ) -> Vec<(&'static str, Element)> {
@@ -529,7 +530,7 @@ fn slots(
                     key,
                     verdict: None,
                     dnat: Some((ep.ip, ep.port)),
-                    comment: Some(comment.to_owned()),
+                    comment: Some(Arc::clone(comment)),
                 },
             )
         })
@@ -538,7 +539,7 @@ fn slots(
         let bit_sets = count_bit_sets(set);
         out.extend((0..COUNT_BITS).filter(|b| count & (1 << b) != 0).map(|b| {
             let mut e = plain(key.clone());
-            e.comment = Some(comment.to_owned());
+            e.comment = Some(Arc::clone(comment));
             (bit_sets[b], e)
         }));
     }
@@ -597,7 +598,7 @@ struct PortRender<'a> {
     settings: &'a Settings,
     cat: Categorized<'a>,
     /// The port's name: the comment of its verdict and endpoint-map elements.
-    comment: String,
+    comment: Arc<str>,
     svc_chain: String,
     local_chain: String,
     ext_chain: String,
@@ -624,7 +625,7 @@ impl<'a> PortRender<'a> {
         Self {
             port,
             settings,
-            comment: name.to_string(),
+            comment: name.to_string().into(),
             svc_chain: names::nft_service_chain("service-", name),
             local_chain: names::nft_service_chain("local-", name),
             ext_chain: names::nft_service_chain("external-", name),
@@ -643,7 +644,7 @@ impl<'a> PortRender<'a> {
             key,
             verdict: Some(verdict),
             dnat: None,
-            comment: Some(self.comment.clone()),
+            comment: Some(Arc::clone(&self.comment)),
         }
     }
 

@@ -8,6 +8,7 @@
 use std::{
     fmt::Write as _,
     net::{IpAddr, Ipv6Addr},
+    sync::Arc,
 };
 
 use crate::model::{IpFamily, IpNet, Protocol};
@@ -51,7 +52,7 @@ fn net_text(net: &IpNet) -> String {
 }
 
 /// A verdict.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Verdict {
     /// `drop`.
     Drop,
@@ -403,8 +404,9 @@ pub struct Element {
     pub verdict: Option<Verdict>,
     /// Value, for endpoint maps: the DNAT target.
     pub dnat: Option<(IpAddr, u16)>,
-    /// Comment (`ns/svc:port`).
-    pub comment: Option<String>,
+    /// Comment (`ns/svc:port`), shared by the elements of one service port: a copy per element
+    /// would be an allocation per endpoint, several times over (fragments, the element index).
+    pub comment: Option<Arc<str>>,
 }
 
 impl SetDef {
