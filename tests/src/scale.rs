@@ -512,8 +512,10 @@ pub struct ProxyRun {
     pub proxy: Proxy,
     /// Process start → every ClusterIP and endpoint in the kernel's listing.
     pub to_rules: Duration,
-    /// Listings made by the start-up poll and the last one's duration.
+    /// The resolution of `to_rules` (see [`await_all_rules`]).
     pub listing_cost: Duration,
+    /// Our agent's own start-up timeline ([`agent_timeline`]); None for kube-proxy.
+    pub timeline: Option<(f64, f64, f64)>,
     /// The first full sync(s) by its own metric: (seconds, syncs counted).
     pub first_sync: Option<(f64, f64)>,
     /// Usage when every rule was seen.
@@ -662,8 +664,15 @@ fn play_kubelet(netns: &str, variant: &str) -> Result<()> {
     Ok(())
 }
 
-/// Start-up: polls the kernel's listing until it names every ClusterIP and endpoint of `model`.
-/// Returns (time from `t0`, cost of the last listing, usage then, pid).
+/// Start-up: polls the kernel until its listing names every ClusterIP and endpoint of `model`.
+/// Returns (time from `t0`, the time's resolution, usage then, pid).
+///
+/// With nf_tables underneath (nftables mode, iptables-nft) a thread polls the ruleset generation
+/// every 2 ms and the table is listed once per new generation: the time is when the generation
+/// whose listing is complete was first seen (a listing across a commit is repeated), and its
+/// resolution the poll's gap then, not a listing's cost (seconds at 250k endpoints). With
+/// iptables-legacy there is no generation: the time is the end of the first complete listing and
+/// its resolution that listing's cost.
 fn await_all_rules(
     proxy: Proxy,
     netns: &str,
@@ -671,6 +680,54 @@ fn await_all_rules(
     model: &Model,
     t0: Instant,
     limit: Duration,
+) -> Result<(Duration, Duration, sys::Usage, u32)> {
+    if !matches!(proxy.mode(), Mode::Nftables | Mode::Iptables("nft")) {
+        return await_listing(proxy, netns, running, model, t0, limit, |_| None);
+    }
+    let generations = sys::Generations::default();
+    std::thread::scope(|s| {
+        let poller =
+            s.spawn(|| sys::poll_generations(netns, &generations, t0, Duration::from_millis(2), limit));
+        let mut listed = None;
+        let found = await_listing(proxy, netns, running, model, t0, limit, |listing| {
+            // Listed once per generation, and counted only if no commit came during the listing.
+            let Some((generation, at, poll_before)) = generations.latest() else {
+                return Some(None);
+            };
+            if listed == Some(generation) {
+                return Some(None);
+            }
+            let Some(text) = listing() else {
+                return Some(None);
+            };
+            if generations.latest().map(|g| g.0) != Some(generation) {
+                return Some(None);
+            }
+            listed = Some(generation);
+            Some(Some((text, at, at - poll_before)))
+        });
+        generations.stop();
+        let polled = poller
+            .join()
+            .map_err(|_| Error::Prerequisite("generation poller panicked".into()))?;
+        polled.and(found)
+    })
+}
+
+/// A listing made through [`await_all_rules`]'s generation check: None to list the usual way,
+/// Some(None) for nothing new to list, Some(Some((listing, at, resolution))) for a listing of one
+/// generation first seen at `at`.
+type Listed = Option<Option<(String, Duration, Duration)>>;
+
+/// The start-up poll itself; `gate` may take over each listing (see [`Listed`]).
+fn await_listing(
+    proxy: Proxy,
+    netns: &str,
+    running: &mut Running,
+    model: &Model,
+    t0: Instant,
+    limit: Duration,
+    mut gate: impl FnMut(&dyn Fn() -> Option<String>) -> Listed,
 ) -> Result<(Duration, Duration, sys::Usage, u32)> {
     let want = model.expected();
     let mut pid = None;
@@ -680,13 +737,21 @@ fn await_all_rules(
             pid = sys::pid_in_netns(netns, proxy.comm())?;
         }
         let t = Instant::now();
-        if let Ok(listing) = rules_listing(proxy, netns) {
-            last = coverage(&listing, model);
+        let list = || rules_listing(proxy, netns).ok();
+        // A whole listing per poll: every 100 ms at most, so that the poll does not crowd the
+        // proxy it times; the generation check is cheap and polls every 10 ms.
+        let (listed, period) = match gate(&list) {
+            None => (list().map(|text| (text, None)), 100),
+            Some(None) => (None, 10),
+            Some(Some((text, at, resolution))) => (Some((text, Some((at, resolution)))), 10),
+        };
+        if let Some((text, timed)) = listed {
+            last = coverage(&text, model);
             if last == want
                 && let Some(pid) = pid
             {
-                let at = t0.elapsed();
-                return Ok((at, t.elapsed(), sys::usage(pid)?, pid));
+                let (at, resolution) = timed.unwrap_or_else(|| (t0.elapsed(), t.elapsed()));
+                return Ok((at, resolution, sys::usage(pid)?, pid));
             }
         }
         if !running.alive() {
@@ -702,7 +767,7 @@ fn await_all_rules(
                 format!("{}: all rules (found {last:?} of {want:?})", proxy.label()),
             ));
         }
-        std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+        std::thread::sleep(Duration::from_millis(period).saturating_sub(t.elapsed()));
     }
 }
 
@@ -913,6 +978,10 @@ pub async fn run_proxy(
         (Some((s0, c0)), Some((s1, c1))) if c1 > c0 => Some(((s1 - s0) / (c1 - c0) * 1000.0, c1 - c0)),
         _ => None,
     };
+    let timeline = match &running {
+        Running::Ours(agent) => agent_timeline(&agent.log_text()),
+        Running::Kp(_) => None,
+    };
     drop(running);
     drop(cluster);
     delete_added(client, model).await?;
@@ -933,7 +1002,34 @@ pub async fn run_proxy(
         at_end,
         idle_cpu_s,
         first_packet,
+        timeline,
     })
+}
+
+/// Our agent's start-up by its own log: (Services listed, EndpointSlices listed, first full sync),
+/// milliseconds each (the two lists run side by side). A node's log is appended to by each agent
+/// started there: only the last start's lines count (from its "capabilities probed" line on).
+pub fn agent_timeline(log: &str) -> Option<(f64, f64, f64)> {
+    let log = crate::logs::without_ansi(log);
+    let log = match log.rfind(" capabilities probed") {
+        Some(at) => &log[log[..at].rfind('\n').map_or(0, |n| n + 1)..],
+        None => &log[..],
+    };
+    let millis = |pick: &dyn Fn(&str) -> bool| {
+        log.lines().find(|l| pick(l)).and_then(|l| {
+            let at = l.find(" millis=")? + " millis=".len();
+            l[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    Some((
+        millis(&|l| l.contains(" listed ") && l.contains("watch=\"service\""))?,
+        millis(&|l| l.contains(" listed ") && l.contains("watch=\"endpointslice\""))?,
+        millis(&|l| l.contains(" full sync "))?,
+    ))
 }
 
 /// The `p`-quantile (0..=1, nearest rank) of `v`; NaN for none.
@@ -960,6 +1056,35 @@ pub fn median(v: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_agent_timeline_is_read_from_plain_and_coloured_logs() {
+        let log = "2026-12-04T21:00:00.1Z  INFO switchyard_agent::runtime::intake: listed watch=\"endpointslice\" tracked=5000 millis=2100\n\
+                   2026-12-04T21:00:00.2Z  INFO switchyard_agent::runtime::intake: listed watch=\"service\" tracked=5000 millis=900\n\
+                   2026-12-04T21:00:01.0Z  INFO switchyard_agent::runtime::sync: full sync services=5000 objects=9 millis=350\n\
+                   2026-12-04T21:00:09.0Z  INFO switchyard_agent::runtime::sync: full sync services=5000 objects=9 millis=999\n";
+        assert_eq!(agent_timeline(log), Some((900.0, 2100.0, 350.0)));
+        // A second agent on the same node appends to the log: its own start counts.
+        let restarted = format!(
+            "{log}2026-12-04T21:01:00.0Z  INFO switchyard_agent: capabilities probed node=\"node-1\"\n{}",
+            log.replace("millis=2100", "millis=2200")
+        );
+        assert_eq!(agent_timeline(&restarted), Some((900.0, 2200.0, 350.0)));
+        // Coloured (an agent writing to a terminal): field names wrapped in escapes.
+        let field = |k: &str, v: &str| format!("\u{1b}[3m{k}\u{1b}[0m\u{1b}[2m=\u{1b}[0m{v}");
+        let coloured = format!(
+            "x: listed {} {}\nx: listed {} {}\nx: full sync {}\n",
+            field("watch", "\"service\""),
+            field("millis", "7"),
+            field("watch", "\"endpointslice\""),
+            field("millis", "8"),
+            field("millis", "9")
+        );
+        assert_eq!(agent_timeline(&coloured), Some((7.0, 8.0, 9.0)));
+        // A log without the lines (kube-proxy's, an agent that never synced): nothing.
+        assert_eq!(agent_timeline(&log[..log.find("full sync").unwrap_or(0)]), None);
+        assert_eq!(agent_timeline(""), None);
+    }
 
     #[test]
     fn addresses_are_found_in_every_spelling() {

@@ -59,6 +59,13 @@ async fn api_bench_1k_every_rule_and_change_reaches_the_kernel() {
         assert_eq!(r.add_ms.len(), SAMPLES, "{label}: new-Service samples");
         assert_eq!(r.change_ms.len(), SAMPLES, "{label}: endpoint-change samples");
         assert!(r.first_sync.is_some(), "{label}: its sync-duration metric");
+        if let Proxy::Switchyard(_) = proxy {
+            // The agent logs both lists and its first full sync (the bench's start-up breakdown).
+            let t = r
+                .timeline
+                .unwrap_or_else(|| panic!("{label}: no start-up timeline in its log"));
+            assert!(t.0 >= 0.0 && t.1 >= 0.0 && t.2 >= 0.0, "{label}: {t:?}");
+        }
         assert!(r.counts.rules > 0, "{label}: rules counted: {:?}", r.counts);
         if proxy == Proxy::Switchyard(Mode::Iptables("nft")) {
             // 2,500 endpoints: large-cluster mode, as kube-proxy's. Only the jump per ClusterIP and
@@ -83,9 +90,11 @@ async fn api_bench_1k_every_rule_and_change_reaches_the_kernel() {
             );
         }
         println!(
-            "{label}: all rules {:.2} s, first sync {:?}, add p50 {:.0} ms, change p50 {:.0} ms, RSS {:.0} MiB, CPU {:.2} s, {:?}, first packet {:?}",
+            "{label}: all rules {:.2} s (resolution {} ms), first sync {:?}, timeline {:?}, add p50 {:.0} ms, change p50 {:.0} ms, RSS {:.0} MiB, CPU {:.2} s, {:?}, first packet {:?}",
             r.to_rules.as_secs_f64(),
+            r.listing_cost.as_millis(),
             r.first_sync,
+            r.timeline,
             scale::quantile(&r.add_ms, 0.5),
             scale::quantile(&r.change_ms, 0.5),
             r.at_sync.rss_mib,

@@ -257,7 +257,16 @@ fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
             0,
         ),
         (
-            "kernel check of a change / start-up listing (ms)",
+            "agent's log: Services listed / EndpointSlices listed / first full sync (ms)",
+            vec![
+                (|r: &ProxyRun| r.timeline.map_or(f64::NAN, |t| t.0)) as Extract,
+                (|r: &ProxyRun| r.timeline.map_or(f64::NAN, |t| t.1)) as Extract,
+                (|r: &ProxyRun| r.timeline.map_or(f64::NAN, |t| t.2)) as Extract,
+            ],
+            0,
+        ),
+        (
+            "kernel check of a change / resolution of start → rules (ms)",
             vec![
                 (|r: &ProxyRun| r.check_ms) as Extract,
                 (|r: &ProxyRun| r.listing_cost.as_secs_f64() * 1000.0) as Extract,

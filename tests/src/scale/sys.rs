@@ -36,6 +36,56 @@ pub fn nft_elements_in_netns(
     })
 }
 
+/// Each nftables generation of a namespace with when it was first seen and when the poll before
+/// that ran (time from the poller's `t0`), polled every `period` by [`poll_generations`].
+#[derive(Debug, Default)]
+pub struct Generations {
+    seen: std::sync::Mutex<Vec<(u32, Duration, Duration)>>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Generations {
+    /// The latest generation seen, with its (first seen, poll before) times.
+    pub fn latest(&self) -> Option<(u32, Duration, Duration)> {
+        self.seen.lock().ok()?.last().copied()
+    }
+
+    /// Ends the poll.
+    pub fn stop(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Polls the nftables generation of `netns` into `into` every `period` until stopped or `limit`
+/// (time from `t0`) has passed. Run it on its own thread (it enters the namespace once).
+pub fn poll_generations(
+    netns: &str,
+    into: &Generations,
+    t0: std::time::Instant,
+    period: Duration,
+    limit: Duration,
+) -> Result<()> {
+    in_netns_thread(netns, || {
+        let mut previous = t0.elapsed();
+        while !into.stop.load(std::sync::atomic::Ordering::Relaxed) && t0.elapsed() < limit {
+            let generation = switchyard_agent::sys::nft::generation()
+                .map_err(|e| Error::Prerequisite(format!("nft generation in {netns}: {e}")))?;
+            let now = t0.elapsed();
+            let mut seen = into
+                .seen
+                .lock()
+                .map_err(|_| Error::Prerequisite("generation poller poisoned".into()))?;
+            if seen.last().is_none_or(|(g, _, _)| *g != generation) {
+                seen.push((generation, now, previous));
+            }
+            drop(seen);
+            previous = now;
+            std::thread::sleep(period);
+        }
+        Ok(())
+    })
+}
+
 /// Runs `f` on a thread inside network namespace `netns` (a thread, not a process: the API
 /// benchmark's kernel checks run up to hundreds of times a second).
 pub fn in_netns_thread<T: Send>(netns: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {

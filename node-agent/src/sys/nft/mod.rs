@@ -321,6 +321,48 @@ pub fn other_chain_bytes(family: u8, table: &str, chain: &str) -> Result<Option<
     Ok(Some(ChainBytes { rules, elements }))
 }
 
+/// The ruleset generation of the current network namespace (`NFT_MSG_GETGEN`): it changes with
+/// every committed nftables transaction (any table, iptables-nft's included). Read only: the API
+/// benchmark polls it to time a commit to its poll period, then lists the table once per change.
+pub fn generation() -> KernelResult<u32> {
+    const NFT_MSG_GETGEN: u16 = 16;
+    const NFT_MSG_NEWGEN: u16 = 15;
+    const NFTA_GEN_ID: u16 = 1;
+    let transport = Transport::open(NETLINK_NETFILTER)?;
+    let request = MessageBuilder::new(
+        nft_kind(NFT_MSG_GETGEN),
+        NLM_F_REQUEST | NLM_F_ACK,
+        1,
+        &nfgenmsg(0, 0),
+    )
+    .finish();
+    let replies = transport.request(&request, &[1])?;
+    replies
+        .iter()
+        .filter(|r| r.kind == nft_kind(NFT_MSG_NEWGEN))
+        .find_map(|r| attr(r.payload.get(4..)?, NFTA_GEN_ID))
+        .and_then(|v| Some(u32::from_be_bytes(v.try_into().ok()?)))
+        .ok_or_else(|| KernelError::Malformed {
+            what: "the ruleset generation (NFT_MSG_GETGEN)".into(),
+        })
+}
+
+/// The payload of the first netlink attribute of `kind` in `attrs`.
+fn attr(mut attrs: &[u8], kind: u16) -> Option<&[u8]> {
+    while attrs.len() >= 4 {
+        let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
+        let this = u16::from_ne_bytes([attrs[2], attrs[3]]) & 0x3fff;
+        if len < 4 || len > attrs.len() {
+            return None;
+        }
+        if this == kind {
+            return Some(&attrs[4..len]);
+        }
+        attrs = &attrs[(len + 3) & !3..];
+    }
+    None
+}
+
 /// What [`other_chain_bytes`] read: one payload per rule and per anonymous-set element.
 #[derive(Debug, Clone, Default)]
 pub struct ChainBytes {
@@ -364,5 +406,22 @@ pub fn delete_table_if_present(family: u8, name: &str) -> Result<bool> {
     match first_error(&transport, batch(vec![delete], 1), 1, "delete table")? {
         None => Ok(true),
         Some(reason) => Err(crate::Error::Config(reason)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attr;
+
+    #[test]
+    fn attr_finds_its_kind_past_padding_and_stops_at_malformed_lengths() {
+        // kind 2 with 3 bytes (padded to 8), then kind 1 with a u32.
+        let attrs = [7, 0, 2, 0, b'a', b'b', 0, 0, 8, 0, 1, 0, 0, 0, 1, 44];
+        assert_eq!(attr(&attrs, 1), Some(&[0, 0, 1, 44][..]));
+        assert_eq!(attr(&attrs, 2), Some(&b"ab\0"[..]));
+        assert_eq!(attr(&attrs, 3), None);
+        // A length past the end, or below the header's own, ends the walk.
+        assert_eq!(attr(&[9, 0, 1, 0, 0, 0, 0, 0], 1), None);
+        assert_eq!(attr(&[2, 0, 1, 0, 0, 0, 0, 0], 1), None);
     }
 }
