@@ -670,7 +670,9 @@ fn play_kubelet(netns: &str, variant: &str) -> Result<()> {
 /// With nf_tables underneath (nftables mode, iptables-nft) a thread polls the ruleset generation
 /// every 2 ms and the table is listed once per new generation: the time is when the generation
 /// whose listing is complete was first seen (a listing across a commit is repeated), and its
-/// resolution the poll's gap then, not a listing's cost (seconds at 250k endpoints). With
+/// resolution the poll's gap then, not a listing's cost (seconds at 250k endpoints). The kernel
+/// bumps the generation when a commit starts applying what its messages staged (activating the
+/// staged objects: the short last step of a transaction), so the time is that step's start. With
 /// iptables-legacy there is no generation: the time is the end of the first complete listing and
 /// its resolution that listing's cost.
 fn await_all_rules(
@@ -688,13 +690,15 @@ fn await_all_rules(
     std::thread::scope(|s| {
         let poller =
             s.spawn(|| sys::poll_generations(netns, &generations, t0, Duration::from_millis(2), limit));
-        let mut listed = None;
+        let mut listed: Option<(u32, Instant)> = None;
         let found = await_listing(proxy, netns, running, model, t0, limit, |listing| {
-            // Listed once per generation, and counted only if no commit came during the listing.
+            // Listed once per generation (again after 2 s: the kernel bumps the generation as a
+            // commit starts applying, so a listing right then may miss what it is activating),
+            // and counted only if no commit came during the listing.
             let Some((generation, at, poll_before)) = generations.latest() else {
                 return Some(None);
             };
-            if listed == Some(generation) {
+            if listed.is_some_and(|(g, when)| g == generation && when.elapsed() < Duration::from_secs(2)) {
                 return Some(None);
             }
             let Some(text) = listing() else {
@@ -703,7 +707,7 @@ fn await_all_rules(
             if generations.latest().map(|g| g.0) != Some(generation) {
                 return Some(None);
             }
-            listed = Some(generation);
+            listed = Some((generation, Instant::now()));
             Some(Some((text, at, at - poll_before)))
         });
         generations.stop();
