@@ -13,8 +13,12 @@
 use std::{
     path::PathBuf,
     process::{Child, Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
+
+use k8s_openapi::api::core::v1::Service;
+use kube::{Api, Client, api::DeleteParams};
+use serde_json::json;
 
 use crate::{
     Result, binaries,
@@ -145,5 +149,48 @@ impl KubeProxy {
 impl Drop for KubeProxy {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Makes every running kube-proxy sync once: a throwaway ClusterIP Service is created and deleted.
+async fn nudge_sync(client: &Client) -> Result<()> {
+    let name = "kube-proxy-sync-nudge";
+    crate::objects::apply_service(
+        client,
+        name,
+        json!({"ports": [{"name": "p", "port": 80, "protocol": "TCP"}]}),
+        None,
+    )
+    .await?;
+    Api::<Service>::namespaced(client.clone(), "default")
+        .delete(name, &DeleteParams::default())
+        .await?;
+    Ok(())
+}
+
+/// Waits up to `limit` until `dropped()` holds: kube-proxy in nftables mode drops traffic to
+/// unallocated Service-CIDR addresses. It renders that drop at a sync after its ServiceCIDR
+/// informer delivered, but that event alone does not make it sync (`OnServiceCIDRsChanged` only
+/// records the CIDRs, and its periodic sync is hourly): when the informer comes after its first
+/// sync, the drop waits for the next Service or endpoint change. So every 10 s without the drop a
+/// Service is created and deleted again (CI saw the drop missing for 120 s without that).
+pub async fn await_cidr_drop(client: &Client, limit: Duration, dropped: impl Fn() -> bool) -> Result<()> {
+    let start = Instant::now();
+    let mut nudged = Instant::now();
+    loop {
+        if dropped() {
+            return Ok(());
+        }
+        if start.elapsed() > limit {
+            return Err(crate::Error::Timeout(
+                limit,
+                "kube-proxy's drop of unallocated Service-CIDR addresses".into(),
+            ));
+        }
+        if nudged.elapsed() > Duration::from_secs(10) {
+            nudge_sync(client).await?;
+            nudged = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -167,22 +167,16 @@ async fn takeover(mode: Mode) {
     // unallocated address leaving node-1 (postrouting): a drop in the node keeps it at 0, routing
     // it out of the node would not.
     if mode == Mode::Nftables {
-        // kube-proxy renders that drop only once its ServiceCIDR informer has synced, which can
-        // come after its Services are served (CI saw the probe routed out before it); the cell is
+        // kube-proxy renders that drop at a sync after its ServiceCIDR informer delivered, which
+        // can be after its Services are served (CI saw the probe routed out before it); the cell is
         // about the ruleset kube-proxy settles on, so wait for the rule first.
-        eventually(
-            Duration::from_secs(60),
-            "kube-proxy's drop for unallocated ClusterIPs",
-            || async {
-                let t = Cluster::exec(
-                    &nodes[0].netns,
-                    &["nft", "list", "chain", "ip", "kube-proxy", "cluster-ips-check"],
-                )
-                .ok()?;
-                t.contains("drop comment \"Drop traffic to unallocated ClusterIPs\"")
-                    .then_some(())
-            },
-        )
+        switchyard_e2e::kube_proxy::await_cidr_drop(&client, Duration::from_secs(120), || {
+            Cluster::exec(
+                &nodes[0].netns,
+                &["nft", "list", "chain", "ip", "kube-proxy", "cluster-ips-check"],
+            )
+            .is_ok_and(|t| t.contains("drop comment \"Drop traffic to unallocated ClusterIPs\""))
+        })
         .await
         .expect("kube-proxy's unallocated-ClusterIP drop");
         Cluster::exec(

@@ -11,7 +11,7 @@
 use std::{path::Path, time::Duration};
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
+use kube::{Api, Client};
 
 use crate::{
     Error, Family, Result,
@@ -208,13 +208,13 @@ impl Twin {
             ),
             Proxy::Switchyard => Running::Switchyard(start_agents(cp, &self.cluster, mode).await?),
         };
-        self.wait_served(mode).await
+        self.wait_served(&cp.admin_client().await?, mode).await
     }
 
     /// Waits until the proxy of every node serves: `web`'s ClusterIP answers the node's client pod
     /// in both families, and the health check of `local` on node-1 says 200. All objects exist
     /// before the proxies start, so their first full sync holds every Service of the matrix.
-    async fn wait_served(&mut self, mode: Mode) -> Result<()> {
+    async fn wait_served(&mut self, client: &Client, mode: Mode) -> Result<()> {
         let what = format!("{} ({}) serves every node", self.proxy.name(), mode.name());
         let nodes = self.cluster.nodes.clone();
         let served = eventually(Duration::from_secs(120), &what, || async {
@@ -230,13 +230,13 @@ impl Twin {
         .await;
         served.map_err(|e| Error::Prerequisite(format!("{e}\n{}", self.logs())))?;
         if self.proxy == Proxy::KubeProxy && mode == Mode::Nftables {
-            // kube-proxy learns the Service CIDRs from ServiceCIDR objects, on a watch of its own,
-            // after its first sync: its drop of unallocated addresses comes later than the Services.
-            let what = format!("{what}: its cluster-ips-check drops the Service CIDRs");
-            eventually(Duration::from_secs(120), &what, || async {
-                nodes.iter().all(drops_service_cidrs).then_some(())
+            // kube-proxy learns the Service CIDRs from ServiceCIDR objects, on a watch of its own:
+            // its drop of unallocated addresses can come after its first sync, at its next one.
+            crate::kube_proxy::await_cidr_drop(client, Duration::from_secs(120), || {
+                nodes.iter().all(drops_service_cidrs)
             })
-            .await?;
+            .await
+            .map_err(|e| Error::Prerequisite(format!("{what}: {e}\n{}", self.logs())))?;
         }
         for node in &nodes {
             programmed(self.proxy, mode, node)?;
