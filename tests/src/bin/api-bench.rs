@@ -226,6 +226,11 @@ fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
             1,
         ),
         (
+            "of that RSS, file-backed (the executable's pages) (MiB)",
+            vec![(|r: &ProxyRun| r.at_sync.rss_file_mib) as Extract],
+            1,
+        ),
+        (
             "RSS / CPU at the end (MiB / s)",
             vec![
                 (|r: &ProxyRun| r.at_end.rss_mib) as Extract,

@@ -108,6 +108,8 @@ pub fn in_netns_thread<T: Send>(netns: &str, f: impl FnOnce() -> Result<T> + Sen
 pub struct Usage {
     /// Resident set size, MiB.
     pub rss_mib: f64,
+    /// Of it, file-backed pages (`RssFile`: the executable's and libraries' pages), MiB.
+    pub rss_file_mib: f64,
     /// User + system CPU seconds, children included.
     pub cpu_s: f64,
 }
@@ -115,12 +117,14 @@ pub struct Usage {
 /// The usage of process `pid` now.
 pub fn usage(pid: u32) -> Result<Usage> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(io_err("proc status"))?;
-    let rss_kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
+    let kib = |field: &str| -> f64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(io_err("proc stat"))?;
     // Fields after the command name (which may hold spaces): state is field 3, utime 14.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
@@ -135,7 +139,8 @@ pub fn usage(pid: u32) -> Result<Usage> {
         .flatten()
         .unwrap_or(100) as f64;
     Ok(Usage {
-        rss_mib: rss_kib / 1024.0,
+        rss_mib: kib("VmRSS:") / 1024.0,
+        rss_file_mib: kib("RssFile:") / 1024.0,
         cpu_s: fields.iter().sum::<f64>() / ticks,
     })
 }
