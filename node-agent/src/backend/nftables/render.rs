@@ -8,8 +8,8 @@
 //! commits without re-validating the chain graph (a rule or a `goto` element makes it walk every
 //! chain reachable from every base chain: 15–20 ms at 10k service chains).
 //!
-//! A destination reaches the rule of its count through a binary trie over the counts' bits
-//! ([`dispatch`]): it is also an element of the plain set `ip-count-bit-K` for every bit K set in
+//! A single-endpoint destination is looked up in its map first; any other reaches the rule of its
+//! count through a binary trie over the counts' bits ([`dispatch`]): it is also an element of the plain set `ip-count-bit-K` for every bit K set in
 //! its count, and each trie chain tests one bit in which the counts in use differ. A new
 //! connection makes one set lookup per such bit (at most 9 for 256 counts) rather than one map
 //! lookup per count in use; the trie's chains change only when the set of counts in use does.
@@ -991,8 +991,8 @@ pub struct Dispatch {
     pub chains: Vec<Chain>,
 }
 
-/// The dispatch of `kind` for the endpoint counts in use: a binary trie over the bits in which
-/// the counts differ. A chain tests one such bit (`… @<kind>-count-bit-K goto` the chain of the
+/// The dispatch of `kind` for the endpoint counts in use: the map of single-endpoint
+/// destinations first, then a binary trie over the bits in which the other counts differ. A chain tests one such bit (`… @<kind>-count-bit-K goto` the chain of the
 /// counts with the bit set) and falls through to the counts without it; a leaf reads its map.
 /// A new connection makes at most one set lookup per bit (9 for 256 counts) and one map lookup,
 /// instead of one map lookup per count; services still come and go as elements only.
@@ -1008,7 +1008,17 @@ pub fn dispatch(kind: &'static str, counts: &BTreeSet<u32>) -> Dispatch {
             .map(|b| count_bit_set(kind, b)),
     );
     let counts: Vec<u32> = counts.iter().copied().collect();
-    d.root = trie_node(kind, &counts, "", &mut d.chains);
+    // Single-endpoint destinations (in most clusters the commonest count) are looked up in their
+    // map before any trie test: one lookup for them (a count-1 destination is the trie's deepest
+    // leaf: one test per bit), one failed lookup more for the others.
+    let trie_counts = match counts.split_first() {
+        Some((1, rest)) if !rest.is_empty() => {
+            d.root.push(dnat_rule(kind, 1));
+            rest
+        }
+        _ => &counts[..],
+    };
+    d.root.extend(trie_node(kind, trie_counts, "", &mut d.chains));
     d
 }
 

@@ -556,9 +556,9 @@ fn kernel_answers_an_element_query_with_the_rendered_targets() {
     assert_eq!(missing, None, "a key that is not in the map");
 }
 
-/// The dispatch trie over endpoint counts: one count needs no test; otherwise every count is
-/// reached through at most one set test per bit in which the counts differ, and each leaf reads
-/// exactly its own map.
+/// The dispatch over endpoint counts: one count needs no test, nor does count 1 (its map is read
+/// first); every other count is reached through at most one set test per bit in which the counts
+/// other than 1 differ, and each leaf reads exactly its own map.
 #[test]
 fn dispatch_is_a_trie_over_the_bits_the_counts_differ_in() {
     use render::{dispatch, sets::IP_ENDPOINTS};
@@ -593,10 +593,12 @@ fn dispatch_is_a_trie_over_the_bits_the_counts_differ_in() {
     let cases: &[(&[u32], usize)] = &[
         (&[], 0),
         (&[2], 0),
-        (&[1, 2], 1),
-        (&[1, 3], 1),
+        (&[1, 2], 0),
+        (&[1, 3], 0),
+        (&[1, 2, 3], 1),
+        (&[2, 3], 1),
         (&[2, 3, 4, 7], 2),
-        (&[1, 64], 1),
+        (&[1, 64], 0),
     ];
     for (counts, max_tests) in cases {
         let set: BTreeSet<u32> = counts.iter().copied().collect();
@@ -619,13 +621,19 @@ fn dispatch_is_a_trie_over_the_bits_the_counts_differ_in() {
             .count();
         assert_eq!(maps, counts.len(), "{counts:?}: one map per count");
     }
-    // 1..=256: nine bits, so at most nine tests to any count, and 255 chains besides the root.
+    // 1..=256: count 1 first, then a trie over 2..=256 (nine bits): at most nine tests to any
+    // count, and 254 chains besides the root.
     let all: BTreeSet<u32> = (1..=256).collect();
     let d = dispatch(IP_ENDPOINTS, &all);
     let reached = leaves(&d);
     assert_eq!(reached.len(), 256);
+    assert_eq!(reached[&1], 0, "count 1 before any test");
+    assert!(matches!(
+        d.root.first().map(|r| r.exprs.as_slice()),
+        Some([ir::Expr::DnatDaddrProtoPortSlot(1, _)])
+    ));
     assert!(reached.values().all(|t| *t <= 9), "{:?}", reached.values().max());
-    assert_eq!(d.chains.len(), 255);
+    assert_eq!(d.chains.len(), 254);
 }
 
 /// A partial sync that changes which endpoint counts are in use rewrites the dispatch to what a
