@@ -8,11 +8,12 @@
 //! commits without re-validating the chain graph (a rule or a `goto` element makes it walk every
 //! chain reachable from every base chain: 15–20 ms at 10k service chains).
 //!
-//! A single-endpoint destination is looked up in its map first; any other reaches the rule of its
-//! count through a binary trie over the counts' bits ([`dispatch`]): it is also an element of the plain set `ip-count-bit-K` for every bit K set in
-//! its count, and each trie chain tests one bit in which the counts in use differ. A new
-//! connection makes one set lookup per such bit (at most 9 for 256 counts) rather than one map
-//! lookup per count in use; the trie's chains change only when the set of counts in use does.
+//! A single-endpoint destination is looked up in its map first; any other reaches the rule of
+//! its count through a binary trie over the counts' bits ([`dispatch`]): it is also an element of
+//! the plain set `ip-count-bit-K` for every bit K set in its count, and each trie chain tests one
+//! bit in which the counts in use differ. A new connection makes one set lookup per such bit (at
+//! most 9 for 256 counts) rather than one map lookup per count in use; the trie's chains change
+//! only when the set of counts in use does.
 //!
 //! Service ports with ClientIP affinity or with `externalTrafficPolicy: Local` external
 //! destinations keep per-service chains dispatched through the `service-ips` and
@@ -992,8 +993,9 @@ pub struct Dispatch {
 }
 
 /// The dispatch of `kind` for the endpoint counts in use: the map of single-endpoint
-/// destinations first, then a binary trie over the bits in which the other counts differ. A chain tests one such bit (`… @<kind>-count-bit-K goto` the chain of the
-/// counts with the bit set) and falls through to the counts without it; a leaf reads its map.
+/// destinations first, then a binary trie over the bits in which the other counts differ. A chain
+/// tests one such bit (`… @<kind>-count-bit-K goto` the chain of the counts with the bit set) and
+/// falls through to the counts without it; a leaf reads its map.
 /// A new connection makes at most one set lookup per bit (9 for 256 counts) and one map lookup,
 /// instead of one map lookup per count; services still come and go as elements only.
 pub fn dispatch(kind: &'static str, counts: &BTreeSet<u32>) -> Dispatch {
