@@ -123,7 +123,8 @@ pub fn usage(pid: u32) -> Result<Usage> {
             .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.split_whitespace().next())
             .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
+            // A field the kernel does not report prints as "–", not as a measured 0.
+            .unwrap_or(f64::NAN)
     };
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(io_err("proc stat"))?;
     // Fields after the command name (which may hold spaces): state is field 3, utime 14.
