@@ -162,6 +162,19 @@ pub async fn bulk_load(client: &Client, services: &[BenchSvc], concurrency: usiz
     Ok(())
 }
 
+/// Lists NodeProxies once, as a cluster's operator keeps doing: the apiserver builds a custom
+/// resource's watch cache on the first request for it and answers 429 (`Retry-After: 1`) until
+/// the cache is filled, so without this the first agent of a fresh apiserver waited a second for
+/// its NodeProxy (the kube client retries after the server's delay) and every start-up row
+/// carried that second. In a cluster the operator's watch has filled the cache long before.
+pub async fn warm_nodeproxy_cache(client: &Client) -> Result<()> {
+    let api: kube::Api<switchyard_crds::v1alpha1::NodeProxy> = kube::Api::all(client.clone());
+    // resourceVersion 0: answered from the watch cache, so the answer waits until it is filled.
+    api.list_metadata(&kube::api::ListParams::default().match_any())
+        .await?;
+    Ok(())
+}
+
 /// Deletes the Services a run added (and their slices).
 pub async fn delete_added(client: &Client, model: &mut Model) -> Result<()> {
     let added = std::mem::take(&mut model.added);

@@ -362,6 +362,7 @@ async fn bench_row(a: &Args, n: usize, (lo, hi): (usize, usize), proxies: &[Prox
     let cp = ControlPlane::start().await?;
     install_switchyard(&cp)?;
     let client = cp.admin_client().await?;
+    scale::warm_nodeproxy_cache(&client).await?;
     let mut model = Model::with_counts(n, lo, hi);
     let t = std::time::Instant::now();
     scale::bulk_load(&client, &model.services, a.concurrency).await?;
