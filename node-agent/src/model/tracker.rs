@@ -102,8 +102,9 @@ pub struct Tracker {
     proxy_name: Option<String>,
     services: BTreeMap<ServiceName, TrackedService>,
     slices: BTreeMap<SliceKey, (ServiceName, SliceEndpoints)>,
-    /// The slices of each Service (an index into `slices`).
-    slices_of: BTreeMap<ServiceName, BTreeSet<SliceKey>>,
+    /// The slices of each Service (an index into `slices`), sorted: a Service has a few, and a
+    /// set per Service cost a 544-byte tree node each (5.4 MiB at 10k Services).
+    slices_of: BTreeMap<ServiceName, Vec<SliceKey>>,
     changed: BTreeSet<ServiceName>,
     /// The two snapshot buffers, used in turn ([`Tracker::shared_snapshot`]).
     buffers: [Buffer; 2],
@@ -133,13 +134,20 @@ impl Tracker {
         if let Some(old) = old
             && let Some(keys) = self.slices_of.get_mut(old)
         {
-            keys.remove(key);
+            if let Ok(at) = keys.binary_search(key) {
+                keys.remove(at);
+            }
             if keys.is_empty() {
                 self.slices_of.remove(old);
             }
         }
         if let Some(new) = new {
-            self.slices_of.entry(new.clone()).or_default().insert(key.clone());
+            let keys = self.slices_of.entry(new.clone()).or_default();
+            if let Err(at) = keys.binary_search(key) {
+                // Exact growth: most Services keep one slice for good.
+                keys.reserve_exact(1);
+                keys.insert(at, key.clone());
+            }
         }
     }
 

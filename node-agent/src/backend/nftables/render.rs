@@ -556,8 +556,17 @@ fn destination(key: &Key) -> Option<Key> {
     }
 }
 
-/// Everything one service port contributes.
+/// Everything one service port contributes, without spare capacity: the backend keeps every
+/// fragment until its service port changes, and growth by push leaves room unused.
 pub fn service(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) -> Fragment {
+    let mut frag = service_grown(port, endpoints, settings);
+    frag.chains.shrink_to_fit();
+    frag.sets.shrink_to_fit();
+    frag.elements.shrink_to_fit();
+    frag
+}
+
+fn service_grown(port: &ServicePort, endpoints: &[Endpoint], settings: &Settings) -> Fragment {
     let render = PortRender::new(port, endpoints, settings);
     let mut frag = Fragment {
         endpoints: endpoints.len(),
