@@ -144,8 +144,11 @@ impl Tracker {
         if let Some(new) = new {
             let keys = self.slices_of.entry(new.clone()).or_default();
             if let Err(at) = keys.binary_search(key) {
-                // Exact growth: most Services keep one slice for good.
-                keys.reserve_exact(1);
+                // Room for exactly one at first (most Services keep one slice for good), amortized
+                // growth after that (no reallocation per slice of a Service with thousands).
+                if keys.is_empty() {
+                    keys.reserve_exact(1);
+                }
                 keys.insert(at, key.clone());
             }
         }
