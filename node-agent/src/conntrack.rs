@@ -23,6 +23,45 @@ pub use crate::sys::conntrack::Flow;
 /// An endpoint a flow may be DNATed to.
 type Target = (IpAddr, u16);
 
+/// The virtual destinations of one family's service ports (protocol number, ClusterIP, external
+/// or load-balancer IP, port), for flows to them that no proxy NATed.
+///
+/// A connection that starts while no rules DNAT a Service (say, a cut-over to another proxy
+/// whose rules serve nothing) leaves an entry without NAT, and conntrack keeps it unreplied for
+/// up to 120 s (TCP `SYN_SENT`): every packet of the same four-tuple skips the nat hooks meanwhile,
+/// so a client that retries from the same port is rejected as traffic to a ClusterIP port that is
+/// no Service, whichever proxy serves by then. After every swap of the serving entry points those
+/// entries are deleted, and the next packet is NATed afresh.
+#[derive(Debug, Default)]
+pub struct UnnatedServiceFlows(BTreeSet<(u8, IpAddr, u16)>);
+
+impl UnnatedServiceFlows {
+    /// The virtual destinations of `snapshot`'s service ports.
+    pub fn of(snapshot: &Snapshot) -> Self {
+        let destinations = snapshot.services.values().flat_map(|sp| {
+            let protocol = sp.name.protocol.number();
+            std::iter::once(sp.cluster_ip)
+                .chain(sp.external_ips.iter().copied())
+                .chain(sp.load_balancer_ips.iter().copied())
+                .map(move |ip| (protocol, ip, sp.port))
+        });
+        Self(destinations.collect())
+    }
+
+    /// No service port: nothing to look for.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `flow` goes to a service port's virtual address and was not DNATed (it would be answered
+    /// by the address itself).
+    pub fn matches(&self, flow: &Flow) -> bool {
+        flow.reply_src == flow.orig_dst
+            && flow.reply_sport == flow.orig_dport
+            && self.0.contains(&(flow.protocol, flow.orig_dst, flow.orig_dport))
+    }
+}
+
 /// The endpoints a port DNATs internal and external traffic to.
 type Targets = (BTreeSet<Target>, BTreeSet<Target>);
 
@@ -266,6 +305,38 @@ mod tests {
             reply_src: src,
             reply_sport: sport,
         }
+    }
+
+    #[test]
+    fn unnated_flows_to_service_addresses_and_nothing_else() {
+        let d = UnnatedServiceFlows::of(&snapshot(&[(12, 53)], Protocol::Tcp));
+        assert!(!d.is_empty());
+        let (cip, ext) = (ip(10, 96, 0, 10), ip(192, 0, 2, 1));
+        let tcp = |f: Flow| Flow { protocol: 6, ..f };
+        let cases = [
+            ("to the ClusterIP, not NATed", tcp(flow(cip, 53, cip, 53)), true),
+            ("to an external IP, not NATed", tcp(flow(ext, 53, ext, 53)), true),
+            (
+                "to the ClusterIP, DNATed",
+                tcp(flow(cip, 53, ip(10, 244, 1, 12), 53)),
+                false,
+            ),
+            (
+                "to another port of the ClusterIP",
+                tcp(flow(cip, 54, cip, 54)),
+                false,
+            ),
+            ("another protocol", flow(cip, 53, cip, 53), false),
+            (
+                "to an address of no Service",
+                tcp(flow(ip(10, 0, 0, 1), 53, ip(10, 0, 0, 1), 53)),
+                false,
+            ),
+        ];
+        for (what, f, unnated) in cases {
+            assert_eq!(d.matches(&f), unnated, "{what}");
+        }
+        assert!(UnnatedServiceFlows::of(&Snapshot::default()).is_empty());
     }
 
     #[test]

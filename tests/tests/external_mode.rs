@@ -189,6 +189,19 @@ fn stop_loads(direction: &str, loads: Vec<(String, Load)>) -> Vec<(usize, usize)
         .collect()
 }
 
+/// `netns`'s TCP conntrack entries to `vip` that were not DNATed (their reply comes from `vip`).
+fn unnated_entries(netns: &str, vip: &str) -> Vec<String> {
+    let listing = Cluster::exec(netns, &["conntrack", "-L", "-p", "tcp", "--orig-dst", vip])
+        .expect("conntrack listing");
+    listing
+        .lines()
+        .filter(|l| {
+            l.split_whitespace().filter(|w| w.starts_with("src=")).nth(1) == Some(&format!("src={vip}"))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
 fn assert_no_failures(direction: &str, counts: &[(usize, usize)]) {
     assert!(
         counts.iter().all(|(_, failed)| *failed == 0),
@@ -373,6 +386,14 @@ async fn external_mode_hands_over_to_kube_proxy_and_takes_back_under_load() {
     // Connections opened while ours were bypassed had nothing to serve them: counted, not zero.
     let counts = stop_loads("rollback, failing probes", loads);
     assert!(counts.iter().all(|(attempts, _)| *attempts > 0));
+    // Those connections left conntrack entries without NAT (unreplied, kept up to 120 s): the
+    // rollback deleted them, or a later connection from the same port would skip the nat hooks
+    // and be rejected as traffic to a ClusterIP port that is no Service.
+    let unnated = unnated_entries(&n1.netns, WEB);
+    assert!(
+        unnated.is_empty(),
+        "entries to {WEB} without NAT after the rollback: {unnated:?}"
+    );
     Cluster::exec(&n1.netns, &["nft", "delete table ip kube-proxy"]).expect("remove the empty table");
 
     // Back to nftables (no switch: node-1 runs it): nobody asks for external, the label goes.
@@ -504,7 +525,11 @@ async fn external_mode_hands_over_to_kube_proxy_and_takes_back_under_load() {
     println!("takeover: {} in {:?}", last.result, started.elapsed());
     assert_eq!(ours(&n1), (true, false), "ours serve alone");
     assert!(services_answer(&env));
-    assert_no_failures("takeover", &stop_loads("takeover", loads));
+    let counts = stop_loads("takeover", loads);
+    if counts.iter().any(|c| c.1 > 0) {
+        println!("AGENT LOG node-1:\n{}", env.agents[0].log_text());
+    }
+    assert_no_failures("takeover", &counts);
     let listing = env
         .cp
         .kubectl_ok(&["get", "nodeproxies"], None)

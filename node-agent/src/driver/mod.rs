@@ -91,6 +91,8 @@ pub struct Driver {
     /// When Preparing started (a target that waits, mode `external`, has the gate's timeout).
     prepared_at: Option<Instant>,
     cut_over_at: Option<Instant>,
+    /// How often the serving entry points changed hands (cut-overs and rollbacks).
+    entry_point_swaps: u64,
     healthy_since: Option<Instant>,
     failures: u32,
     /// Latest probe results.
@@ -160,6 +162,7 @@ impl Driver {
             recovered: false,
             prepared_at: None,
             cut_over_at: None,
+            entry_point_swaps: 0,
             healthy_since: None,
             failures: 0,
             probes: Vec::new(),
@@ -173,6 +176,12 @@ impl Driver {
     /// Phase for the API.
     pub fn phase(&self) -> SwitchPhase {
         phase_api(self.state.phase)
+    }
+
+    /// How often the serving entry points changed hands (a cut-over, a rollback): after each,
+    /// flows that no rules NATed are forgotten (`conntrack::UnnatedServiceFlows`).
+    pub fn entry_point_swaps(&self) -> u64 {
+        self.entry_point_swaps
     }
 
     /// Whether a switch is under way (probes need a fast tick).
@@ -524,6 +533,7 @@ impl Driver {
         if let Err(e) = result {
             return self.roll_back(snapshot, format!("cut-over failed: {e}"));
         }
+        self.entry_point_swaps += 1;
         tracing::info!(%from, %to, "switch: cut over, verifying");
         self.state.phase = Phase::Verifying;
         self.cut_over_at = Some(Instant::now());
@@ -627,6 +637,7 @@ impl Driver {
             tracing::error!(error = %e, "rollback: restoring the old backend failed; will retry");
             return false;
         }
+        self.entry_point_swaps += 1;
         if to != from {
             let removed = self
                 .backend(to)

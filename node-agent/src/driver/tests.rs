@@ -740,13 +740,20 @@ fn probes_failing_through_the_other_proxy_un_bypass_switchyards_rules() {
     });
     let (desired, gate) = (want(EXT), gate(60, 2));
     assert!(rig.step(&desired, &gate), "prepare");
+    assert_eq!(rig.driver.entry_point_swaps(), 0, "prepared, not swapped");
     assert!(rig.step(&desired, &gate), "cut over");
+    assert_eq!(
+        rig.driver.entry_point_swaps(),
+        1,
+        "the cut-over swaps the entry points"
+    );
     assert_eq!(rig.programmed(), BTreeMap::from([(IPT, true)]), "bypassed");
     while rig.driver.last.is_none() {
         rig.step(&desired, &gate);
     }
     let last = rig.driver.last.clone().expect("finished");
     assert_eq!((last.to, last.result), (EXT, SwitchOutcome::RolledBack));
+    assert_eq!(rig.driver.entry_point_swaps(), 2, "so does the rollback");
     assert_eq!(with(&rig.probes, |p| p.rounds), 2);
     assert_eq!(
         rig.programmed(),

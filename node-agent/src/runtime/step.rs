@@ -8,7 +8,9 @@ use kube::{Api, Client};
 use switchyard_crds::v1alpha1::{ProbeTarget, ProxyMode};
 
 use super::{intake::Wish, on_blocking_thread};
-use crate::{Result, driver::Driver, model::DualSnapshot, model::ServiceName};
+use crate::{
+    Result, conntrack::UnnatedServiceFlows, driver::Driver, model::DualSnapshot, model::ServiceName,
+};
 
 /// Runs one step of the switch; the driver comes back with whether another step should follow
 /// at once. `named`: a service-proxy-name filter is in force.
@@ -32,9 +34,35 @@ pub(super) async fn step(
         Arc::clone(snapshot),
     );
     on_blocking_thread("switch", driver, move |d| {
-        d.step(desired.as_ref(), &supported, &gate, &snap, &targets)
+        let swaps = d.entry_point_swaps();
+        let stepped = d.step(desired.as_ref(), &supported, &gate, &snap, &targets);
+        if d.entry_point_swaps() != swaps {
+            forget_unnated_service_flows(&snap);
+        }
+        stepped
     })
     .await
+}
+
+/// Deletes the conntrack entries to service addresses that no rules NATed, after the serving
+/// entry points changed hands (see [`UnnatedServiceFlows`]). Best effort: such entries also
+/// expire by themselves, so a failure is logged, not retried.
+fn forget_unnated_service_flows(snapshot: &DualSnapshot) {
+    for s in snapshot.families() {
+        let unnated = UnnatedServiceFlows::of(s);
+        if unnated.is_empty() {
+            continue;
+        }
+        match crate::sys::conntrack::delete_stale(s.family, &|flow| unnated.matches(flow)) {
+            Ok(0) => {}
+            Ok(deleted) => {
+                tracing::info!(family = %s.family, deleted, "deleted conntrack entries to Services that no rules NATed")
+            }
+            Err(e) => {
+                tracing::warn!(family = %s.family, error = %e, "deleting conntrack entries to Services that no rules NATed failed")
+            }
+        }
+    }
 }
 
 /// A label selector's query string (`matchLabels` and `matchExpressions`).
