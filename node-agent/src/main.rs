@@ -418,19 +418,19 @@ async fn render(args: &Args, client: &Client, node: String) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     #[allow(unsafe_code)]
     fn the_purge_delay_option_is_the_one_mimalloc_documents() {
         // SAFETY: reads one option word; no pointers.
-        let read = || unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY) };
+        let read = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
         if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
             assert_eq!(read(), 10, "v2's purge delay defaults to 10 ms");
         }
-        super::return_freed_pages_at_once();
+        return_freed_pages_at_once();
         assert_eq!(read(), 0);
     }
-
-    use super::*;
 
     #[test]
     fn flags_parse_into_typed_values() {

@@ -193,10 +193,11 @@ fn stop_loads(direction: &str, loads: Vec<(String, Load)>) -> Vec<(usize, usize)
 fn unnated_entries(netns: &str, vip: &str) -> Vec<String> {
     let listing = Cluster::exec(netns, &["conntrack", "-L", "-p", "tcp", "--orig-dst", vip])
         .expect("conntrack listing");
+    let reply_from_vip = format!("src={vip}");
     listing
         .lines()
         .filter(|l| {
-            l.split_whitespace().filter(|w| w.starts_with("src=")).nth(1) == Some(&format!("src={vip}"))
+            l.split_whitespace().filter(|w| w.starts_with("src=")).nth(1) == Some(reply_from_vip.as_str())
         })
         .map(str::to_owned)
         .collect()
