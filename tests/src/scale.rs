@@ -23,7 +23,8 @@ use std::{
 };
 
 use futures::{StreamExt, TryStreamExt};
-use kube::Client;
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use kube::{Api, Client, api::PostParams};
 use serde_json::json;
 
 use crate::{
@@ -32,7 +33,7 @@ use crate::{
     controlplane::ControlPlane,
     kube_proxy::{KubeProxy, Mode},
     netns::{self, Cluster},
-    objects::{self, Ep},
+    objects,
 };
 
 /// The port of every benchmark Service, and its endpoints' port.
@@ -134,18 +135,54 @@ impl Model {
     }
 }
 
-/// Writes `svc`'s EndpointSlice (server-side apply, as the endpointslice controller's result).
+/// `svc`'s EndpointSlice as the endpointslice controller writes it.
+fn slice_of(svc: &BenchSvc) -> Result<EndpointSlice> {
+    let endpoints: Vec<_> = svc
+        .eps
+        .iter()
+        .map(|ip| {
+            json!({"addresses": [ip.to_string()], "nodeName": EP_NODE,
+            "conditions": {"ready": true, "serving": true, "terminating": false}})
+        })
+        .collect();
+    let body = json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{}-slice", svc.name), "namespace": "default",
+            "labels": {"kubernetes.io/service-name": svc.name}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": TARGET_PORT, "protocol": "TCP"}],
+        "endpoints": endpoints,
+    });
+    serde_json::from_value(body).map_err(|e| Error::Prerequisite(format!("slice of {}: {e}", svc.name)))
+}
+
+/// Creates `svc`'s EndpointSlice (POST, as the endpointslice controller creates one).
 pub async fn put_slice(client: &Client, svc: &BenchSvc) -> Result<()> {
-    let eps: Vec<Ep> = svc.eps.iter().map(|ip| Ep::ready(ip, EP_NODE)).collect();
-    objects::apply_slice(client, &svc.name, &[("http", TARGET_PORT, "TCP")], &eps).await?;
+    let api: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    api.create(&PostParams::default(), &slice_of(svc)?).await?;
     Ok(())
 }
 
-/// Writes `svc`'s Service (no selector: its slice is ours to write).
+/// Replaces `svc`'s EndpointSlice with its endpoints now (PUT, as the endpointslice controller
+/// updates one; no resourceVersion: EndpointSlices allow an unconditional update).
+pub async fn update_slice(client: &Client, svc: &BenchSvc) -> Result<()> {
+    let api: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let slice = slice_of(svc)?;
+    api.replace(&format!("{}-slice", svc.name), &PostParams::default(), &slice)
+        .await?;
+    Ok(())
+}
+
+/// Creates `svc`'s Service (POST; no selector: its slice is ours to write).
 pub async fn put_service(client: &Client, svc: &BenchSvc) -> Result<()> {
-    let spec = json!({"clusterIP": svc.cluster_ip.to_string(), "ports": [
-        {"name": "http", "port": PORT, "targetPort": TARGET_PORT, "protocol": "TCP"}]});
-    objects::apply_service(client, &svc.name, spec, None).await?;
+    let body = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": svc.name, "namespace": "default"},
+        "spec": {"clusterIP": svc.cluster_ip.to_string(), "ports": [
+            {"name": "http", "port": PORT, "targetPort": TARGET_PORT, "protocol": "TCP"}]}});
+    let service: Service = serde_json::from_value(body)
+        .map_err(|e| Error::Prerequisite(format!("Service {}: {e}", svc.name)))?;
+    let api: Api<Service> = Api::namespaced(client.clone(), "default");
+    api.create(&PostParams::default(), &service).await?;
     Ok(())
 }
 
@@ -898,7 +935,7 @@ async fn sample_changes(
         let svc = model.services[j].clone();
         tokio::time::sleep(opts.gap).await;
         let t = Instant::now();
-        put_slice(client, &svc).await?;
+        update_slice(client, &svc).await?;
         spent.writes_ms.push(ms(t.elapsed()));
         out.push(await_change(proxy, netns, &svc, &[new], t, opts.period, spent)?);
     }
