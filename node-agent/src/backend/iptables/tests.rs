@@ -1057,3 +1057,72 @@ fn iptables_crossing_the_large_cluster_threshold_syncs_in_full() {
         "partial while large"
     );
 }
+
+/// A partial sync leaves out the top-level chains whose rules did not change (on iptables-nft a
+/// restore costs per chain it names, and nat `SWY-SERVICES` names every service's chain) and
+/// writes those that did; either way the tables end as a full sync of the same state leaves them.
+#[test]
+fn iptables_partial_syncs_write_top_level_chains_only_when_they_change() {
+    let tools = IpFamily::ALL.map(FakeIptables::new);
+    let mut backend = IptablesProxier::with_adapters(Variant::Nft, settings(), tools, FakeSysctl::new());
+    let as_full = |snap: &Snapshot| {
+        let tools = IpFamily::ALL.map(FakeIptables::new);
+        let mut fresh = IptablesProxier::with_adapters(Variant::Nft, settings(), tools, FakeSysctl::new());
+        fresh
+            .sync(&dual(snap), &Changes::default(), true)
+            .expect("full sync");
+        owned_lines([fresh.tools(IpFamily::V4), fresh.tools(IpFamily::V6)])
+    };
+    let mut snap = two_endpoint_services(300);
+    assert!(
+        backend
+            .sync(&dual(&snap), &Changes::default(), true)
+            .expect("full")
+            .full
+    );
+
+    // An endpoint moves: the service's own chains only (its SVC and SEP chains and the stale SEP
+    // chain's deletion, 11 objects per family), not the 300-rule SWY-SERVICES and the other
+    // top-level chains (~320 objects per family).
+    let first = snap.services.keys().next().cloned().expect("a service");
+    snap.endpoints.get_mut(&first).expect("endpoints")[0] = ep("10.250.0.1", 8080, REMOTE);
+    let moved = backend
+        .sync(&dual(&snap), &changes(&[first.service.name.as_str()]), false)
+        .expect("partial sync");
+    assert!(!moved.full);
+    assert!(
+        moved.objects_written <= 22,
+        "wrote {} objects",
+        moved.objects_written
+    );
+    let owned = |b: &IptablesProxier<FakeIptables, FakeSysctl>| {
+        owned_lines([b.tools(IpFamily::V4), b.tools(IpFamily::V6)])
+    };
+    assert_eq!(owned(&backend), as_full(&snap), "after the endpoint moved");
+
+    // A new service: SWY-SERVICES changes, so it is written again, with the new rule.
+    add(
+        &mut snap,
+        port("new", "http", Protocol::Tcp, "10.96.200.1", 80),
+        vec![ep("10.250.0.2", 8080, REMOTE)],
+    );
+    let added = backend
+        .sync(&dual(&snap), &changes(&["new"]), false)
+        .expect("partial sync");
+    assert!(!added.full);
+    assert!(
+        added.objects_written > 300,
+        "wrote {} objects",
+        added.objects_written
+    );
+    assert_eq!(owned(&backend), as_full(&snap), "after the new service");
+
+    // After a failed sync (the next is full) every chain is written again.
+    backend.tools_mut(IpFamily::V4).fail_writes(1);
+    assert!(backend.sync(&dual(&snap), &changes(&["new"]), false).is_err());
+    let after_failure = backend
+        .sync(&dual(&snap), &changes(&["new"]), false)
+        .expect("sync after the failure");
+    assert!(after_failure.full);
+    assert_eq!(owned(&backend), as_full(&snap), "after the failure");
+}
