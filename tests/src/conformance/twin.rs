@@ -236,7 +236,10 @@ impl Twin {
                 nodes.iter().all(drops_service_cidrs)
             })
             .await
-            .map_err(|e| Error::Prerequisite(format!("{what}: {e}\n{}", self.logs())))?;
+            .map_err(|e| {
+                let missing = cidr_drops_missing(&nodes).join(", ");
+                Error::Prerequisite(format!("{what}: {e} (missing: {missing})\n{}", self.logs()))
+            })?;
         }
         for node in &nodes {
             programmed(self.proxy, mode, node)?;
@@ -308,20 +311,36 @@ fn programmed(proxy: Proxy, mode: Mode, node: &Node) -> Result<()> {
     )))
 }
 
+/// The Service CIDRs of both families, with the nft family of kube-proxy's table.
+const CIDR_DROPS: [(&str, &str); 2] = [
+    ("ip", controlplane::SERVICE_CIDR),
+    ("ip6", controlplane::SERVICE_CIDR6),
+];
+
+/// Whether kube-proxy's `cluster-ips-check` chain of `family` on `node` drops `cidr`.
+fn drops_cidr(node: &Node, family: &str, cidr: &str) -> bool {
+    Cluster::exec(
+        &node.netns,
+        &["nft", "list", "chain", family, "kube-proxy", "cluster-ips-check"],
+    )
+    .is_ok_and(|chain| chain.contains(cidr))
+}
+
 /// Whether kube-proxy's nftables `cluster-ips-check` on `node` drops both Service CIDRs.
 fn drops_service_cidrs(node: &Node) -> bool {
-    [
-        ("ip", controlplane::SERVICE_CIDR),
-        ("ip6", controlplane::SERVICE_CIDR6),
-    ]
-    .iter()
-    .all(|(family, cidr)| {
-        Cluster::exec(
-            &node.netns,
-            &["nft", "list", "chain", family, "kube-proxy", "cluster-ips-check"],
-        )
-        .is_ok_and(|chain| chain.contains(cidr))
-    })
+    CIDR_DROPS
+        .iter()
+        .all(|(family, cidr)| drops_cidr(node, family, cidr))
+}
+
+/// `node family` of every drop of unallocated Service-CIDR addresses still missing.
+fn cidr_drops_missing(nodes: &[Node]) -> Vec<String> {
+    nodes
+        .iter()
+        .flat_map(|n| CIDR_DROPS.iter().map(move |(family, cidr)| (n, *family, *cidr)))
+        .filter(|(n, family, cidr)| !drops_cidr(n, family, cidr))
+        .map(|(n, family, _)| format!("{} {family}", n.name))
+        .collect()
 }
 
 fn node_served(node: &Node) -> bool {
