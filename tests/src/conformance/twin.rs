@@ -233,7 +233,7 @@ impl Twin {
             // kube-proxy learns the Service CIDRs from ServiceCIDR objects, on a watch of its own:
             // its drop of unallocated addresses can come after its first sync, at its next one.
             crate::kube_proxy::await_cidr_drop(client, Duration::from_secs(120), || {
-                nodes.iter().all(drops_service_cidrs)
+                cidr_drops_missing(&nodes).is_empty()
             })
             .await
             .map_err(|e| {
@@ -326,14 +326,8 @@ fn drops_cidr(node: &Node, family: &str, cidr: &str) -> bool {
     .is_ok_and(|chain| chain.contains(cidr))
 }
 
-/// Whether kube-proxy's nftables `cluster-ips-check` on `node` drops both Service CIDRs.
-fn drops_service_cidrs(node: &Node) -> bool {
-    CIDR_DROPS
-        .iter()
-        .all(|(family, cidr)| drops_cidr(node, family, cidr))
-}
-
-/// `node family` of every drop of unallocated Service-CIDR addresses still missing.
+/// `node family` of every drop of unallocated Service-CIDR addresses still missing (kube-proxy's
+/// nftables `cluster-ips-check` chain of each family on each node must drop its Service CIDR).
 fn cidr_drops_missing(nodes: &[Node]) -> Vec<String> {
     nodes
         .iter()

@@ -172,9 +172,9 @@ struct FamilyTables<I> {
     results: FamilyResults,
     /// A failure to set route_localnet was logged.
     localnet_warned: bool,
-    /// Fingerprints of the top-level chains as the last successful restore wrote them (see
-    /// [`unchanged_top_chains`]).
-    top_written: HashMap<(Table, String), u64>,
+    /// Fingerprints of the top-level chains of `filter` and `nat` as the last successful restore
+    /// wrote them (see [`leave_out_unchanged`]).
+    top_written: [HashMap<&'static str, u64>; 2],
 }
 
 impl IptablesBackend {
@@ -209,7 +209,7 @@ impl<I: SaveRestore, S: Sysctl> IptablesProxier<I, S> {
             large_cluster: None,
             results: FamilyResults::default(),
             localnet_warned: false,
-            top_written: HashMap::new(),
+            top_written: Default::default(),
         });
         Self {
             variant,
@@ -379,16 +379,13 @@ impl<I: SaveRestore> FamilyTables<I> {
             .cloned()
             .collect();
         let stale_nat: BTreeSet<String> = existing_nat.difference(&rendered.nat_chains).cloned().collect();
-        let top = top_chain_fingerprints(&rendered);
+        let top = [
+            fingerprints(&rendered.filter, &render::FILTER_TOP_CHAINS),
+            fingerprints(&rendered.nat, &render::NAT_TOP_CHAINS),
+        ];
         if !full {
-            for (table, chain) in unchanged_top_chains(&top, &self.top_written) {
-                let rules = match table {
-                    Table::Filter => &mut rendered.filter,
-                    Table::Nat => &mut rendered.nat,
-                    Table::Mangle => continue,
-                };
-                rules.chains.remove(&chain);
-            }
+            leave_out_unchanged(&mut rendered.filter, &top[0], &self.top_written[0]);
+            leave_out_unchanged(&mut rendered.nat, &top[1], &self.top_written[1]);
         }
         let input = rendered.restore_input_with_jumps(&stale_filter, &stale_nat, &jumps.0, &jumps.1);
         self.ipt.restore(&input).map_err(|e| match e {
@@ -425,44 +422,39 @@ impl<I: SaveRestore> FamilyTables<I> {
     }
 }
 
-/// The fingerprint of every top-level chain in `rendered` (a render always holds them complete):
-/// a hash of its rule lines, per (table, chain).
-fn top_chain_fingerprints(rendered: &render::Rendered) -> HashMap<(Table, String), u64> {
+/// The fingerprint of each of the top-level chains `tops` in `rules` (a render always holds them
+/// complete): a hash of its rule lines.
+fn fingerprints(rules: &render::TableRules, tops: &[&'static str]) -> HashMap<&'static str, u64> {
     use std::hash::{Hash, Hasher};
-    let tops = [
-        (Table::Filter, &rendered.filter, &render::FILTER_TOP_CHAINS[..]),
-        (Table::Nat, &rendered.nat, &render::NAT_TOP_CHAINS[..]),
-    ];
-    let mut out = HashMap::new();
-    for (table, written, chains) in tops {
-        for chain in chains {
-            if let Some(rules) = written.chains.get(*chain) {
-                // Fixed keys: the same rules always hash the same within the process.
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                rules.hash(&mut h);
-                out.insert((table, (*chain).to_owned()), h.finish());
-            }
-        }
-    }
-    out
+    tops.iter()
+        .filter_map(|&chain| {
+            let lines = rules.chains.get(chain)?;
+            // Fixed keys: the same rules always hash the same within the process.
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            lines.hash(&mut h);
+            Some((chain, h.finish()))
+        })
+        .collect()
 }
 
-/// The top-level chains a partial sync can leave out: those whose rules are what the last
-/// successful restore wrote (`written`), so the kernel holds them already. On iptables-nft a
+/// Leaves out of a partial sync's `rules` the top-level chains whose rules (`now`) are what the
+/// last successful restore wrote (`written`), so the kernel holds them already. On iptables-nft a
 /// restore costs per chain it names (iptables 1.8.9 keeps every chain a command names, jump
 /// targets included, in a sorted list it inserts into one by one, then fetches each chain on
 /// its own), and nat `SWY-SERVICES` names every service's chain: rewritten on every sync, it
 /// made an endpoint change at 10k Services cost ~0.8 s. Two different rule lists of one chain
 /// share a 64-bit fingerprint with probability 2^-64 per sync; any failure makes the next sync
 /// full, which writes every chain.
-fn unchanged_top_chains(
-    now: &HashMap<(Table, String), u64>,
-    written: &HashMap<(Table, String), u64>,
-) -> Vec<(Table, String)> {
-    now.iter()
-        .filter(|(key, fingerprint)| written.get(*key) == Some(*fingerprint))
-        .map(|(key, _)| key.clone())
-        .collect()
+fn leave_out_unchanged(
+    rules: &mut render::TableRules,
+    now: &HashMap<&'static str, u64>,
+    written: &HashMap<&'static str, u64>,
+) {
+    for (chain, fingerprint) in now {
+        if written.get(chain) == Some(fingerprint) {
+            rules.chains.remove(*chain);
+        }
+    }
 }
 
 /// The `SWY-*` chains declared in `iptables-save` output, except the IPVS backend's
@@ -524,7 +516,7 @@ impl<I: SaveRestore> FamilyTables<I> {
         self.filter_chains.clear();
         self.nat_chains.clear();
         self.services.clear();
-        self.top_written.clear();
+        self.top_written = Default::default();
         Ok(())
     }
 
