@@ -293,20 +293,45 @@ impl Iptables {
     /// `iptables-save` fetches the whole table (seconds at 10k Services); like [`Self::save`], a
     /// legacy table that does not exist is not created by reading it.
     pub fn chain_rules(&self, table: Table, chain: &str) -> Result<String, IptablesError> {
+        Ok(self
+            .chain_listing(table, chain)?
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("-A "))
+            .map(|l| format!("{l}\n"))
+            .collect())
+    }
+
+    /// Which of `chains` exist in `table`. The nft variant asks for each chain alone (`iptables -S
+    /// CHAIN`); the legacy tools read the whole table for any question, so it is read once.
+    pub fn existing_chains(
+        &self,
+        table: Table,
+        chains: &[&'static str],
+    ) -> Result<Vec<&'static str>, IptablesError> {
+        if self.variant == Variant::Legacy {
+            let save = self.save(table)?;
+            return Ok(chains.iter().copied().filter(|c| declares(&save, c)).collect());
+        }
+        let mut found = Vec::new();
+        for chain in chains {
+            if self.chain_listing(table, chain)?.is_some() {
+                found.push(*chain);
+            }
+        }
+        Ok(found)
+    }
+
+    /// `iptables -S CHAIN -t TABLE`, `None` when the table or the chain does not exist.
+    fn chain_listing(&self, table: Table, chain: &str) -> Result<Option<String>, IptablesError> {
         if self.variant == Variant::Legacy && !self.legacy_table_exists(table)? {
-            return Ok(String::new());
+            return Ok(None);
         }
         let args = ["-w", LOCK_WAIT_SECONDS, "-t", table.as_str(), "-S", chain];
         match self.run("iptables", &args, None)? {
-            (_, finished) if finished.status == 0 => Ok(finished
-                .stdout
-                .lines()
-                .filter(|l| l.starts_with("-A "))
-                .map(|l| format!("{l}\n"))
-                .collect()),
-            // "No chain/target/match by that name."
-            (_, finished) if finished.status == 1 && finished.stderr.contains("No chain") => {
-                Ok(String::new())
+            (_, finished) if finished.status == 0 => Ok(Some(finished.stdout)),
+            (_, finished) if finished.status == 1 && chain_missing(self.variant, &finished.stderr) => {
+                Ok(None)
             }
             (command, finished) => Err(failed(command, finished)),
         }
@@ -489,6 +514,33 @@ pub trait SaveRestore: std::fmt::Debug + Send {
             .map(|l| format!("{l}\n"))
             .collect())
     }
+
+    /// Which of `chains` exist in `table`. The default reads them out of [`Self::save`]; the
+    /// nft variant's kernel tools ask for each chain alone (`iptables-save` of a table fetches
+    /// all its rules: 8.4 s for nat beside 10k Services of iptables-nft mode).
+    fn existing_chains(
+        &self,
+        table: Table,
+        chains: &[&'static str],
+    ) -> Result<Vec<&'static str>, IptablesError> {
+        let save = self.save(table)?;
+        Ok(chains.iter().copied().filter(|c| declares(&save, c)).collect())
+    }
+}
+
+/// Whether `iptables -S CHAIN` failed (status 1) because the chain or its table is not there:
+/// the legacy tools say "No chain/target/match by that name."; iptables-nft 1.8.9 says "chain
+/// `CHAIN' in table `TABLE' is incompatible, use 'nft' tool." (checked on this machine's 1.8.9: a
+/// chain it cannot parse fails with status 3 and a parse error instead).
+fn chain_missing(variant: Variant, stderr: &str) -> bool {
+    stderr.contains("No chain") || (variant == Variant::Nft && stderr.contains("is incompatible"))
+}
+
+/// Whether `iptables-save` output declares `chain` (a `:CHAIN POLICY [p:b]` line).
+pub fn declares(save: &str, chain: &str) -> bool {
+    save.lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .any(|l| l.split_whitespace().next() == Some(chain))
 }
 
 impl SaveRestore for Iptables {
@@ -510,6 +562,14 @@ impl SaveRestore for Iptables {
 
     fn chain_rules(&self, table: Table, chain: &str) -> Result<String, IptablesError> {
         Iptables::chain_rules(self, table, chain)
+    }
+
+    fn existing_chains(
+        &self,
+        table: Table,
+        chains: &[&'static str],
+    ) -> Result<Vec<&'static str>, IptablesError> {
+        Iptables::existing_chains(self, table, chains)
     }
 
     fn remove_rule(&mut self, table: Table, chain: &str, spec: &[&str]) -> Result<usize, IptablesError> {

@@ -232,7 +232,7 @@ fn variant_scenario() -> Snapshot {
     let full = scenario();
     let mut s = Snapshot::default();
     for name in ["np", "etp-local"] {
-        for (k, sp) in full.services.iter().filter(|(k, _)| k.service.name == name) {
+        for (k, sp) in full.services.iter().filter(|(k, _)| &*k.service.name == name) {
             add(
                 &mut s,
                 sp.clone(),
@@ -312,7 +312,7 @@ fn iptables_golden_partial() {
                 || snap
                     .services
                     .keys()
-                    .filter(|k| k.service.name == "one" || k.service.name == "etp-local")
+                    .filter(|k| &*k.service.name == "one" || &*k.service.name == "etp-local")
                     .any(|k| {
                         ["SVC", "SVL", "EXT", "FW"]
                             .iter()
@@ -573,7 +573,7 @@ fn without_comments(save: &str) -> String {
 
 fn service_chains(snap: &Snapshot, name: &str) -> Vec<String> {
     let mut out = vec![];
-    for k in snap.services.keys().filter(|k| k.service.name == name) {
+    for k in snap.services.keys().filter(|k| &*k.service.name == name) {
         for kind in ["SVC", "SVL", "EXT", "FW"] {
             out.push(crate::backend::names::ipt_service_chain(kind, k));
         }
@@ -632,7 +632,7 @@ fn round_trip(variant: Variant, n: u32) {
     let sticky: Vec<ServicePortName> = snap2
         .services
         .keys()
-        .filter(|k| k.service.name == "sticky")
+        .filter(|k| &*k.service.name == "sticky")
         .cloned()
         .collect();
     for k in &sticky {
@@ -678,8 +678,8 @@ fn round_trip(variant: Variant, n: u32) {
 
     // A Service that leaves IPv6 (dual-stack -> single-stack IPv4) loses only its IPv6 rules.
     let mut single = dual(&snap3);
-    single.v6.services.retain(|k, _| k.service.name != "np");
-    single.v6.endpoints.retain(|k, _| k.service.name != "np");
+    single.v6.services.retain(|k, _| &*k.service.name != "np");
+    single.v6.endpoints.retain(|k, _| &*k.service.name != "np");
     backend.sync(&single, &changes(&["np"]), false).unwrap();
     assert_eq!(
         kernel_text(&ipt),
@@ -720,6 +720,45 @@ fn iptables_kernel_round_trip_nft() {
     round_trip(Variant::Nft, 2);
 }
 
+/// Chains asked for by name on the kernel tools, both variants: no table, a table without the
+/// chains, one of them there; a missing chain is no error (iptables-nft 1.8.9 calls it
+/// "incompatible"), and asking creates no table.
+#[test]
+fn iptables_kernel_existing_chains_are_found_by_name() {
+    for (n, variant) in [Variant::Legacy, Variant::Nft].into_iter().enumerate() {
+        let ns = TestNetns::new(&format!("ipt-exists-{n}"));
+        let ipt = Iptables::new(variant, Some(ns.0.clone()));
+        let wanted = ["SWY-IPVS-SERVICES", "SWY-IPVS-FILTER"];
+        let ask = |table| ipt.existing_chains(table, &wanted).expect("existing_chains");
+        assert!(ask(Table::Nat).is_empty(), "{variant}: no nat table");
+        let created = match variant {
+            Variant::Legacy => ipt.legacy_table_exists(Table::Nat).expect("ip_tables_names"),
+            Variant::Nft => {
+                let out = std::process::Command::new("ip")
+                    .args(["netns", "exec", &ns.0, "nft", "list", "tables"])
+                    .output()
+                    .expect("nft list tables");
+                assert!(out.status.success(), "nft list tables: {out:?}");
+                String::from_utf8_lossy(&out.stdout).contains("ip nat")
+            }
+        };
+        assert!(!created, "{variant}: asking created the nat table");
+        ipt.restore("*nat\n:SWY-OTHER - [0:0]\nCOMMIT\n")
+            .expect("restore");
+        assert!(ask(Table::Nat).is_empty(), "{variant}: not ours");
+        ipt.restore("*nat\n:SWY-IPVS-SERVICES - [0:0]\nCOMMIT\n")
+            .expect("restore");
+        assert_eq!(ask(Table::Nat), ["SWY-IPVS-SERVICES"], "{variant}");
+        assert!(ask(Table::Filter).is_empty(), "{variant}: filter");
+        assert_eq!(
+            ipt.chain_rules(Table::Nat, "SWY-NONE")
+                .expect("chain_rules of a missing chain"),
+            "",
+            "{variant}"
+        );
+    }
+}
+
 /// A refused restore is reported as a kernel error and forces the next sync to be full.
 #[test]
 fn iptables_kernel_failure_forces_full_sync() {
@@ -740,7 +779,7 @@ fn iptables_kernel_failure_forces_full_sync() {
     ))
     .unwrap();
     let mut snap2 = snap.clone();
-    snap2.services.retain(|k, _| k.service.name != "np");
+    snap2.services.retain(|k, _| &*k.service.name != "np");
     let err = backend.sync(&dual(&snap2), &changes(&["np"]), false).unwrap_err();
     assert!(matches!(err, BackendError::Kernel { .. }), "{err}");
     ipt.restore("*nat\n:FOREIGN - [0:0]\n-X FOREIGN\nCOMMIT\n")
@@ -1053,7 +1092,7 @@ fn iptables_crossing_the_large_cluster_threshold_syncs_in_full() {
     more.endpoints.values_mut().next().expect("eps").pop();
     let first = more.services.keys().next().expect("svc").service.name.clone();
     assert!(
-        !sync(&mut backend, &more, &[first.as_str()], false),
+        !sync(&mut backend, &more, &[&*first], false),
         "partial while large"
     );
 }
@@ -1087,7 +1126,7 @@ fn iptables_partial_syncs_write_top_level_chains_only_when_they_change() {
     let first = snap.services.keys().next().cloned().expect("a service");
     snap.endpoints.get_mut(&first).expect("endpoints")[0] = ep("10.250.0.1", 8080, REMOTE);
     let moved = backend
-        .sync(&dual(&snap), &changes(&[first.service.name.as_str()]), false)
+        .sync(&dual(&snap), &changes(&[&*first.service.name]), false)
         .expect("partial sync");
     assert!(!moved.full);
     assert!(

@@ -807,8 +807,22 @@ impl<I: SaveRestore, T: IpvsTable, P: Ipsets, L: Links, S: Sysctl> IpvsBackend<I
             .map_err(|e| cmd_err("ipset destroy")(e.to_string()))
     }
 
+    /// Removes our jump rules and `SWY-IPVS-*` chains from filter and nat. A table is read whole
+    /// (`iptables-save`) only when it holds one of [`render::CHAINS`], every chain IPVS mode writes;
+    /// jump rules cannot outlive the chains they jump to.
     fn cleanup_iptables(&mut self) -> Result<(), BackendError> {
         for table in [Table::Filter, Table::Nat] {
+            // By name first: beside another mode's rules (iptables-nft mode at 10k Services) a
+            // whole-table read costs seconds, and most cleanups find nothing of ours.
+            match self
+                .ipt
+                .existing_chains(table, &render::chains(table == Table::Nat))
+            {
+                Ok(found) if found.is_empty() => continue,
+                Ok(_) => {}
+                Err(IptablesError::Spawn { .. }) => continue,
+                Err(e) => return Err(ipt_err(e)),
+            }
             let save = match self.ipt.save(table) {
                 Ok(s) => s,
                 // The variant's tools are not installed: nothing of ours there.

@@ -142,6 +142,31 @@ pub const JUMPS: [(bool, &str, &str); 8] = [
     (false, "INPUT", FILTER),
 ];
 
+/// Every chain IPVS mode writes, with its table (nat?): the cleanup asks for these by name, so a
+/// table without them is never read whole (see `IpvsBackend::cleanup`).
+pub const CHAINS: [(bool, &str); 11] = [
+    (true, SERVICES),
+    (true, POSTROUTING),
+    (true, MARK_MASQ),
+    (true, NODE_PORT),
+    (true, LOAD_BALANCER),
+    (false, NODE_PORT),
+    (false, FORWARD),
+    (false, FIREWALL),
+    (false, SOURCE_RANGES),
+    (false, FILTER),
+    (false, BYPASS),
+];
+
+/// The chains of [`CHAINS`] in one table.
+pub fn chains(nat: bool) -> Vec<&'static str> {
+    CHAINS
+        .iter()
+        .filter(|(n, _)| *n == nat)
+        .map(|(_, c)| *c)
+        .collect()
+}
+
 /// The comment of every jump rule (so cleanup finds exactly ours).
 pub const JUMP_COMMENT: &str = "switchyard IPVS mode";
 

@@ -357,6 +357,43 @@ fn ipvs_cleanup_input_removes_jumps_then_chains_in_one_commit() {
 }
 
 #[test]
+fn ipvs_chains_lists_every_chain_the_render_writes() {
+    // The cleanup looks for `render::CHAINS` by name: a rendered chain missing from it would
+    // outlive a cleanup on the nft variant.
+    let desired = render(&scenario(), &settings(), &[ip("192.168.0.10")]);
+    for (nat, chains) in [(false, &desired.filter), (true, &desired.nat)] {
+        let rendered: BTreeSet<&str> = chains.chains.keys().copied().collect();
+        let listed: BTreeSet<&str> = render::chains(nat).into_iter().collect();
+        assert_eq!(rendered, listed, "nat={nat}");
+    }
+}
+
+#[test]
+fn ipvs_cleanup_reads_a_table_whole_only_when_a_chain_of_ours_is_in_it() {
+    let mut b = fake_backend(settings());
+    b.cleanup().expect("cleanup of nothing");
+    assert_eq!(
+        b.iptables().inner().saves(),
+        0,
+        "nothing of ours: no whole-table read"
+    );
+
+    b.sync(&DualSnapshot::from(scenario()), &Changes::default(), true)
+        .expect("sync");
+    let before = b.iptables().inner().saves();
+    b.cleanup().expect("cleanup");
+    let ipt = b.iptables().inner();
+    assert!(
+        ipt.saves() > before,
+        "our chains were there: the tables were read whole"
+    );
+    for table in [Table::Filter, Table::Nat] {
+        let save = ipt.save(table).expect("save");
+        assert!(!save.contains("SWY-IPVS-"), "{table:?} after cleanup:\n{save}");
+    }
+}
+
+#[test]
 fn ipvs_bypass_chain_rejects_only_new_connections_to_ipvs_destinations() {
     let d = render(&scenario(), &settings(), &[ip("192.168.0.10")]);
     let rules = &d.filter.chains[render::BYPASS];

@@ -5,6 +5,7 @@
 //! iptables render writes them in the canonical form `iptables-save` prints (its kernel tests check
 //! that), so the fake's listing is what the kernel would list. Faults can be injected.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 
 use super::{IptablesError, SaveRestore, Table};
@@ -101,6 +102,8 @@ pub struct FakeIptables {
     family: IpFamily,
     tables: BTreeMap<&'static str, FakeTable>,
     failing: usize,
+    /// `save` calls so far (a whole-table read, which the kernel tools pay per rule).
+    saves: Cell<usize>,
 }
 
 impl FakeIptables {
@@ -114,7 +117,13 @@ impl FakeIptables {
             family,
             tables,
             failing: 0,
+            saves: Cell::new(0),
         }
+    }
+
+    /// How many times a whole table was read (`save`).
+    pub fn saves(&self) -> usize {
+        self.saves.get()
     }
 
     /// Makes the next `n` writes (restores, rule removals) fail.
@@ -251,11 +260,24 @@ impl SaveRestore for FakeIptables {
     }
 
     fn save(&self, table: Table) -> Result<String, IptablesError> {
+        self.saves.set(self.saves.get() + 1);
         Ok(self
             .tables
             .get(table.as_str())
             .map(|t| t.save(table.as_str()))
             .unwrap_or_default())
+    }
+
+    /// Asks for each chain alone, as the nft variant's tools do: no whole-table read.
+    fn existing_chains(
+        &self,
+        table: Table,
+        chains: &[&'static str],
+    ) -> Result<Vec<&'static str>, IptablesError> {
+        let Some(t) = self.tables.get(table.as_str()) else {
+            return Ok(Vec::new());
+        };
+        Ok(chains.iter().copied().filter(|c| t.has_chain(c)).collect())
     }
 
     fn restore(&mut self, input: &str) -> Result<(), IptablesError> {
@@ -340,6 +362,14 @@ impl<I: SaveRestore> SaveRestore for Faulty<I> {
 
     fn save(&self, table: Table) -> Result<String, IptablesError> {
         self.inner.save(table)
+    }
+
+    fn existing_chains(
+        &self,
+        table: Table,
+        chains: &[&'static str],
+    ) -> Result<Vec<&'static str>, IptablesError> {
+        self.inner.existing_chains(table, chains)
     }
 
     fn restore(&mut self, input: &str) -> Result<(), IptablesError> {
