@@ -367,8 +367,8 @@ impl ServiceHealthServers {
                         .unwrap_or_else(|| {
                             (
                                 ServiceName {
-                                    namespace: String::new(),
-                                    name: String::new(),
+                                    namespace: "".into(),
+                                    name: "".into(),
                                 },
                                 0,
                             )
@@ -385,7 +385,7 @@ impl ServiceHealthServers {
                     if let Ok(v) = HeaderValue::from_str(&local.to_string()) {
                         headers.insert("X-Load-Balancing-Endpoint-Weight", v);
                     }
-                    let body = json!({"service": {"namespace": service.namespace, "name": service.name},
+                    let body = json!({"service": {"namespace": &*service.namespace, "name": &*service.name},
                                       "localEndpoints": local, "serviceProxyHealthy": healthy});
                     (code, headers, body.to_string())
                 }

@@ -3,7 +3,7 @@
 //! A dual-stack Service yields one [`ServicePort`] per family and port, each holding only addresses of
 //! its family.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::Arc};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use switchyard_crds::consts::SERVICE_PROXY_NAME_LABEL;
@@ -75,8 +75,8 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
             .unwrap_or(DEFAULT_AFFINITY_SECONDS)
     });
     let service = ServiceName {
-        namespace: namespace.clone(),
-        name: name.clone(),
+        namespace: namespace.as_str().into(),
+        name: name.as_str().into(),
     };
     let mut ports = Vec::new();
     // "None" (headless) does not parse, so headless Services yield nothing.
@@ -98,7 +98,7 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
             ports.push(ServicePort {
                 name: ServicePortName {
                     service: service.clone(),
-                    port_name: p.name.clone().unwrap_or_default(),
+                    port_name: p.name.as_deref().unwrap_or_default().into(),
                     protocol,
                 },
                 cluster_ip,
@@ -126,13 +126,14 @@ pub fn service_ports(svc: &Service, proxy_name: Option<&str>) -> Vec<ServicePort
 /// The Service an EndpointSlice belongs to (label `kubernetes.io/service-name`).
 pub fn slice_service(slice: &EndpointSlice) -> Option<ServiceName> {
     Some(ServiceName {
-        namespace: slice.metadata.namespace.clone()?,
+        namespace: slice.metadata.namespace.as_deref()?.into(),
         name: slice
             .metadata
             .labels
             .as_ref()?
             .get("kubernetes.io/service-name")?
-            .clone(),
+            .as_str()
+            .into(),
     })
 }
 
@@ -143,16 +144,19 @@ pub fn slice_family(slice: &EndpointSlice) -> Option<IpFamily> {
         .find(|f| f.k8s_name() == slice.address_type)
 }
 
+/// The endpoints of one EndpointSlice per `(port name, protocol)`.
+pub type SliceEndpoints = Vec<((Arc<str>, Protocol), Vec<Endpoint>)>;
+
 /// Endpoints of an IPv4 or IPv6 EndpointSlice per `(port name, protocol)`; addresses not of the
 /// slice's family are dropped.
-pub fn slice_endpoints(slice: &EndpointSlice) -> Vec<((String, Protocol), Vec<Endpoint>)> {
+pub fn slice_endpoints(slice: &EndpointSlice) -> SliceEndpoints {
     let Some(family) = slice_family(slice) else {
         return Vec::new();
     };
     let ports = slice.ports.iter().flatten().filter_map(|p| {
         Some((
             (
-                p.name.clone().unwrap_or_default(),
+                Arc::<str>::from(p.name.as_deref().unwrap_or_default()),
                 Protocol::from_k8s(p.protocol.as_deref())?,
             ),
             u16::try_from(p.port?).ok()?,

@@ -10,6 +10,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
+    sync::Arc,
 };
 
 pub use ipnet::{IpNet, Ipv4Net, Ipv6Net};
@@ -124,13 +125,15 @@ impl Protocol {
     }
 }
 
-/// A Service, by namespace and name.
+/// A Service, by namespace and name. The strings are shared (`Arc<str>`): the agent keeps a
+/// Service's name in each of its maps (tracker, snapshot, backend), and a copy is a reference
+/// count, not two allocations.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceName {
     /// Namespace.
-    pub namespace: String,
+    pub namespace: Arc<str>,
     /// Name.
-    pub name: String,
+    pub name: Arc<str>,
 }
 
 impl fmt::Display for ServiceName {
@@ -145,7 +148,7 @@ pub struct ServicePortName {
     /// The Service.
     pub service: ServiceName,
     /// The port's name (may be empty for single-port Services).
-    pub port_name: String,
+    pub port_name: Arc<str>,
     /// Its protocol.
     pub protocol: Protocol,
 }
@@ -255,10 +258,18 @@ pub fn ports_of<'a, V>(
 ) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> + 'a {
     let first = ServicePortName {
         service: service.clone(),
-        port_name: String::new(),
+        port_name: "".into(),
         protocol: Protocol::Tcp,
     };
     map.range(first..).take_while(move |(k, _)| &k.service == service)
+}
+
+/// Removes every port of Service `name` from a map keyed by service port: O(its ports).
+pub fn remove_ports_of<V>(map: &mut BTreeMap<ServicePortName, V>, name: &ServiceName) {
+    let keys: Vec<ServicePortName> = ports_of(map, name).map(|(k, _)| k.clone()).collect();
+    for key in keys {
+        map.remove(&key);
+    }
 }
 
 /// What a sync programs: one [`Snapshot`] per family.

@@ -222,7 +222,7 @@ fn tracker_merges_slices_and_tracks_changed_services() {
     let http = snap
         .services
         .keys()
-        .find(|k| k.port_name == "http")
+        .find(|k| &*k.port_name == "http")
         .expect("http")
         .clone();
     assert_eq!(
@@ -231,7 +231,7 @@ fn tracker_merges_slices_and_tracks_changed_services() {
         "merged across slices, deduplicated"
     );
     assert!(
-        snap.endpoints.keys().all(|k| k.port_name == "http"),
+        snap.endpoints.keys().all(|k| &*k.port_name == "http"),
         "no endpoints for the dns port"
     );
     assert!(

@@ -504,7 +504,7 @@ mod tests {
             .snapshot()
             .families()
             .iter()
-            .flat_map(|s| s.services.keys().map(|k| k.service.name.clone()))
+            .flat_map(|s| s.services.keys().map(|k| k.service.name.to_string()))
             .collect();
         assert_eq!(names, ["b"], "the relist dropped a, which it did not list");
     }

@@ -114,8 +114,8 @@ async fn probe_targets(
     for p in probes {
         if let Some(name) = &p.name {
             out.push(ServiceName {
-                namespace: p.namespace.clone(),
-                name: name.clone(),
+                namespace: p.namespace.as_str().into(),
+                name: name.as_str().into(),
             });
         } else if let Some(sel) = &p.selector {
             let api: Api<Service> = Api::namespaced(client.clone(), &p.namespace);
@@ -123,8 +123,8 @@ async fn probe_targets(
             if let Ok(list) = api.list(&params).await {
                 out.extend(list.items.into_iter().filter_map(|s| {
                     Some(ServiceName {
-                        namespace: p.namespace.clone(),
-                        name: s.metadata.name?,
+                        namespace: p.namespace.as_str().into(),
+                        name: s.metadata.name?.into(),
                     })
                 }));
             }

@@ -37,9 +37,9 @@ pub(super) async fn sync(
     settings: &Settings,
 ) -> Result<(Driver, Result<Synced, BackendError>)> {
     let planned = cleaner.plan(snapshot, &changes, full, settings);
-    // Shared with the task, and kept as what is programmed: no copy of the whole state.
+    // Shared with the task: no copy of the whole state.
     let snap = Arc::clone(snapshot);
-    let (driver, (result, unfinished, snap)) = on_blocking_thread("sync", driver, move |d| {
+    let (driver, (result, unfinished, changes)) = on_blocking_thread("sync", driver, move |d| {
         let started = Instant::now();
         let r = d.sync(&snap, &changes, full);
         let took = started.elapsed();
@@ -49,10 +49,11 @@ pub(super) async fn sync(
             }
             crate::sys::conntrack::delete_stale(family, &|flow| cleanup.is_stale(flow))
         });
-        (r.map(|stats| Synced { stats, took }), unfinished, snap)
+        (r.map(|stats| Synced { stats, took }), unfinished, changes)
     })
     .await?;
-    cleaner.finish(result.is_ok().then_some(snap), unfinished);
+    let programmed = result.is_ok().then_some(&**snapshot);
+    cleaner.finish(programmed, &changes, full, unfinished);
     Ok((driver, result))
 }
 

@@ -160,7 +160,7 @@ pub fn scenario_of(family: IpFamily) -> Snapshot {
 pub fn key(snap: &Snapshot, svc: &str) -> ServicePortName {
     snap.services
         .keys()
-        .find(|k| k.service.name == svc)
+        .find(|k| &*k.service.name == svc)
         .expect("service")
         .clone()
 }

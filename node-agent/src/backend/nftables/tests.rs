@@ -125,7 +125,7 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     let key = |s: &Snapshot, svc: &str| {
         s.services
             .keys()
-            .find(|k| k.service.name == svc)
+            .find(|k| &*k.service.name == svc)
             .expect("service")
             .clone()
     };
@@ -225,7 +225,7 @@ fn services_without_affinity_or_local_external_policy_are_map_elements_only() {
         let dns = snap
             .services
             .keys()
-            .find(|k| k.service.name == "dns")
+            .find(|k| &*k.service.name == "dns")
             .expect("dns");
         let frag = render::service(&snap.services[dns], &snap.endpoints[dns], &settings);
         let slots: Vec<(String, ir::Key)> = frag
@@ -513,7 +513,7 @@ fn kernel_answers_an_element_query_with_the_rendered_targets() {
     let dns = snap
         .services
         .keys()
-        .find(|k| k.service.name == "dns")
+        .find(|k| &*k.service.name == "dns")
         .expect("dns");
     let frag = render::service(&snap.services[dns], &snap.endpoints[dns], &settings);
     let slots: Vec<(String, ir::Key, (std::net::IpAddr, u16))> = frag
@@ -648,7 +648,7 @@ fn partial_syncs_through_many_endpoint_counts_match_a_full_sync() {
         .v4
         .services
         .keys()
-        .find(|k| k.service.name == "dns")
+        .find(|k| &*k.service.name == "dns")
         .expect("dns")
         .clone();
     let template = snap.v4.endpoints[&dns][0].clone();
