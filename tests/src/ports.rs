@@ -71,19 +71,31 @@ mod tests {
     #[test]
     fn ports_are_below_the_ephemeral_range_free_and_distinct() {
         let low = ephemeral_low().expect("ephemeral range");
-        // Each port is bound the moment it is handed out, and held: any process on the machine
-        // may take a free port later (CI once saw one taken between a hand-out and a bind made
-        // after all 50 hand-outs), which says nothing about the hand-out.
+        // Each port is bound the moment it is handed out, and held. Another test process on the
+        // machine may still take one in between: its hand-out also probes by binding and leaves
+        // the port free until its etcd or apiserver binds it, seconds later (a suite run saw
+        // this once). So a port found taken is counted, not failed; a hand-out that gave taken
+        // ports would exceed the allowance (with ~22,000 ports and a few components starting at
+        // a time, more than 5 of 50 taken is not chance).
         let mut held = Vec::new();
+        let mut taken = Vec::new();
         for _ in 0..50 {
             let port = free_loopback_port().expect("port");
             if low >= FLOOR + 1_000 {
                 assert!((FLOOR..low).contains(&port), "{port} outside {FLOOR}..{low}");
             }
-            let listener = TcpListener::bind(("127.0.0.1", port)).expect("handed-out port is bindable");
-            held.push((port, listener));
+            match TcpListener::bind(("127.0.0.1", port)) {
+                Ok(listener) => held.push((port, listener)),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => taken.push(port),
+                Err(e) => panic!("bind handed-out port {port}: {e}"),
+            }
         }
-        let distinct: BTreeSet<u16> = held.iter().map(|(p, _)| *p).collect();
-        assert_eq!(distinct.len(), held.len(), "{distinct:?}");
+        assert!(taken.len() <= 5, "handed-out ports already in use: {taken:?}");
+        let distinct: BTreeSet<u16> = held
+            .iter()
+            .map(|(p, _)| *p)
+            .chain(taken.iter().copied())
+            .collect();
+        assert_eq!(distinct.len(), held.len() + taken.len(), "{distinct:?}");
     }
 }
