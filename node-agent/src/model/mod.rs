@@ -393,6 +393,19 @@ mod tests;
 pub mod fixtures {
     use super::*;
 
+    /// The changes of Services `ns/<name>` for each of `names`.
+    pub fn changes(names: &[&str]) -> Changes {
+        Changes {
+            services: names
+                .iter()
+                .map(|n| ServiceName {
+                    namespace: "ns".into(),
+                    name: (*n).into(),
+                })
+                .collect(),
+        }
+    }
+
     /// The service port `namespace/name:port_name` of `protocol`.
     pub fn port_name(namespace: &str, name: &str, port_name: &str, protocol: Protocol) -> ServicePortName {
         ServicePortName {

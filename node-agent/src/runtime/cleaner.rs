@@ -239,18 +239,6 @@ mod tests {
         s
     }
 
-    fn changed(names: &[&str]) -> Changes {
-        Changes {
-            services: names
-                .iter()
-                .map(|n| ServiceName {
-                    namespace: "ns".into(),
-                    name: (*n).into(),
-                })
-                .collect(),
-        }
-    }
-
     #[test]
     fn what_is_kept_as_programmed_is_the_udp_part_and_follows_every_sync() {
         let mut cleaner = ConntrackCleaner::default();
@@ -261,18 +249,28 @@ mod tests {
         let second = tcp_and_udp(2, 6);
         cleaner.finish(
             Some(&second),
-            &changed(&["dns", "web"]),
+            &fixtures::changes(&["dns", "web"]),
             false,
             Planned::default(),
         );
         assert_eq!(cleaner.programmed, Some(udp_service(6)));
         let empty = DualSnapshot::default();
-        cleaner.finish(Some(&empty), &changed(&["dns", "web"]), false, Planned::default());
+        cleaner.finish(
+            Some(&empty),
+            &fixtures::changes(&["dns", "web"]),
+            false,
+            Planned::default(),
+        );
         assert_eq!(cleaner.programmed, Some(DualSnapshot::default()), "both deleted");
         // A failed sync's changes never reach the cleaner: the next success rebuilds it whole,
         // even a partial one that does not name them.
-        cleaner.finish(None, &changed(&["dns"]), false, Planned::default());
-        cleaner.finish(Some(&second), &changed(&["web"]), false, Planned::default());
+        cleaner.finish(None, &fixtures::changes(&["dns"]), false, Planned::default());
+        cleaner.finish(
+            Some(&second),
+            &fixtures::changes(&["web"]),
+            false,
+            Planned::default(),
+        );
         assert_eq!(cleaner.programmed, Some(udp_service(6)));
     }
 

@@ -17,7 +17,7 @@ use crate::backend::conformance::{
     suite::{Kit, Subject, conformance_suite},
 };
 use crate::model::{
-    DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServiceName, ServicePort, ServicePortName,
+    DualSnapshot, Endpoint, IpFamily, IpNet, NodeInfo, Protocol, ServicePort, ServicePortName,
 };
 use crate::sys::{
     iptables::fake::{FakeIptables, Faulty},
@@ -244,15 +244,7 @@ fn variant_scenario() -> Snapshot {
 }
 
 fn changes(names: &[&str]) -> Changes {
-    Changes {
-        services: names
-            .iter()
-            .map(|n| ServiceName {
-                namespace: "ns".into(),
-                name: (*n).into(),
-            })
-            .collect(),
-    }
+    fixtures::changes(names)
 }
 
 // ---------------------------------------------------------------------------------------------
