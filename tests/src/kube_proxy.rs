@@ -16,8 +16,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::core::v1::Service;
-use kube::{Api, Client, api::DeleteParams};
+use k8s_openapi::api::core::v1::Node as NodeObject;
+use kube::{
+    Api, Client, ResourceExt,
+    api::{ListParams, Patch, PatchParams},
+};
 use serde_json::json;
 
 use crate::{
@@ -152,32 +155,40 @@ impl Drop for KubeProxy {
     }
 }
 
-/// Makes every running kube-proxy sync once, in both families: a throwaway dual-stack ClusterIP
-/// Service is created and deleted. (A single-stack one makes only that family's proxier sync: a
-/// kube-proxy proxier ignores a Service without an address of its family: with IPv4 nudges, a
-/// suite run saw 120 s of IPv4 syncs and none of IPv6 while the drop was awaited in both.)
-async fn nudge_sync(client: &Client) -> Result<()> {
-    let name = "kube-proxy-sync-nudge";
-    crate::objects::apply_service(
-        client,
-        name,
-        json!({"ipFamilyPolicy": "PreferDualStack",
-            "ports": [{"name": "p", "port": 80, "protocol": "TCP"}]}),
-        None,
-    )
-    .await?;
-    Api::<Service>::namespaced(client.clone(), "default")
-        .delete(name, &DeleteParams::default())
-        .await?;
+/// The Node label kube-proxy's topology handling watches (`topology.kubernetes.io/zone`).
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// Makes every running kube-proxy run a full sync, in both families: each Node's zone label is
+/// set to a throwaway value and then put back as it was. kube-proxy (nftables, v1.37) writes its
+/// fixed chains, the Service-CIDR drop among them, only at a full sync (`setupNFTables`), and a
+/// change of its node's topology labels is what forces one (`OnTopologyChange` sets
+/// `needFullSync`); a Service or endpoint change makes only a partial sync, and the next periodic
+/// full sync is an hour away.
+async fn force_full_sync(client: &Client) -> Result<()> {
+    let nodes: Api<NodeObject> = Api::all(client.clone());
+    for node in nodes.list(&ListParams::default()).await? {
+        let name = node.name_any();
+        let original = node
+            .labels()
+            .get(ZONE_LABEL)
+            .map_or(serde_json::Value::Null, |zone| json!(zone));
+        for zone in [json!("switchyard-test-full-sync"), original] {
+            let patch = json!({"metadata": {"labels": {ZONE_LABEL: zone}}});
+            nodes
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+    }
     Ok(())
 }
 
 /// Waits up to `limit` until `dropped()` holds: kube-proxy in nftables mode drops traffic to
-/// unallocated Service-CIDR addresses. It renders that drop at a sync after its ServiceCIDR
+/// unallocated Service-CIDR addresses. It renders that drop at a full sync after its ServiceCIDR
 /// informer delivered, but that event alone does not make it sync (`OnServiceCIDRsChanged` only
-/// records the CIDRs, and its periodic sync is hourly): when the informer comes after its first
-/// sync, the drop waits for the next Service or endpoint change. So every 10 s without the drop a
-/// Service is created and deleted again (CI saw the drop missing for 120 s without that).
+/// records the CIDRs): when the informer comes after its first sync, the drop waits for the next
+/// full sync. So every 10 s without the drop a full sync is forced ([`force_full_sync`]; CI saw
+/// the drop missing for 120 s while Services were created and deleted to make it sync, which
+/// gives only partial syncs).
 pub async fn await_cidr_drop(client: &Client, limit: Duration, dropped: impl Fn() -> bool) -> Result<()> {
     let start = Instant::now();
     let mut nudged = Instant::now();
@@ -192,7 +203,7 @@ pub async fn await_cidr_drop(client: &Client, limit: Duration, dropped: impl Fn(
             ));
         }
         if nudged.elapsed() > Duration::from_secs(10) {
-            nudge_sync(client).await?;
+            force_full_sync(client).await?;
             nudged = Instant::now();
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
