@@ -13,6 +13,7 @@
 
 pub mod first_packet;
 pub mod fleet;
+pub mod lists;
 pub mod names;
 pub mod sys;
 

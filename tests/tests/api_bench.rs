@@ -12,7 +12,10 @@ use switchyard_e2e::{
     agent::install_switchyard,
     controlplane::ControlPlane,
     kube_proxy::Mode,
-    scale::{self, Model, Proxy, RunOpts},
+    scale::{
+        self, Model, Proxy, RunOpts,
+        lists::{self, Encoding},
+    },
 };
 
 const SAMPLES: usize = 5;
@@ -28,6 +31,21 @@ async fn api_bench_1k_every_rule_and_change_reaches_the_kernel() {
     scale::bulk_load(&client, &model.services, 32)
         .await
         .expect("load 1k Services and slices");
+    // The floor the bench prints: both lists fetched in each encoding, protobuf the smaller.
+    let mut sizes = Vec::new();
+    for encoding in [Encoding::Json, Encoding::Protobuf] {
+        let fetches = lists::fetch_both(&client, encoding, 1)
+            .await
+            .unwrap_or_else(|e| panic!("both lists as {}: {e}", encoding.name()));
+        println!("lists: {}", lists::describe(encoding, &fetches));
+        sizes.push(fetches[0].bytes);
+    }
+    for kind in 0..2 {
+        assert!(
+            sizes[1][kind] > 0 && sizes[1][kind] < sizes[0][kind],
+            "protobuf list smaller than JSON: {sizes:?}"
+        );
+    }
     let opts = RunOpts {
         samples: SAMPLES,
         gap: Duration::from_millis(1100),

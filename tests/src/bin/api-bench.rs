@@ -22,7 +22,10 @@ use switchyard_e2e::{
     agent::install_switchyard,
     controlplane::ControlPlane,
     kube_proxy::Mode,
-    scale::{self, Model, Proxy, ProxyRun, RunOpts, fleet},
+    scale::{
+        self, Model, Proxy, ProxyRun, RunOpts, fleet,
+        lists::{self, Encoding},
+    },
 };
 
 struct Args {
@@ -370,6 +373,14 @@ async fn bench_row(a: &Args, n: usize, (lo, hi): (usize, usize), proxies: &[Prox
         "loaded {n} Services and slices in {:.1} s",
         t.elapsed().as_secs_f64()
     );
+    // What no proxy that lists before its first sync can start faster than.
+    for encoding in [Encoding::Json, Encoding::Protobuf] {
+        let fetches = lists::fetch_both(&client, encoding, 3).await?;
+        println!(
+            "the apiserver serving both lists, concurrently, bytes only, {}",
+            lists::describe(encoding, &fetches)
+        );
+    }
     let opts = RunOpts {
         samples: a.samples,
         gap: Duration::from_millis(a.gap_ms),
@@ -499,11 +510,40 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match main_result(args).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("api-bench: {e}");
-            ExitCode::FAILURE
+    // On Ctrl-C or SIGTERM the bench's future is dropped, and with it everything it started
+    // (apiserver, etcd, proxies, node namespaces: their owners stop or remove them on drop).
+    tokio::select! {
+        result = main_result(args) => match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("api-bench: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        signal = stop_signal() => {
+            eprintln!("api-bench: {signal}: stopping, removing what it started");
+            ExitCode::from(130)
         }
+    }
+}
+
+/// Waits for Ctrl-C or SIGTERM and names it (a signal that cannot be watched never comes).
+async fn stop_signal() -> &'static str {
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = interrupt => "interrupted",
+        () = terminate => "terminated",
     }
 }
