@@ -62,6 +62,17 @@ pub fn workspace_bin(name: &str) -> Result<PathBuf> {
     }
 }
 
+/// This process's directory of pinned binaries ([`pinned`]).
+fn pin_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("{}-{}-bin", sweep::PREFIX, std::process::id()))
+}
+
+/// Removes this process's pinned binaries, for a one-shot program (a bench) at its end; a test
+/// process leaves them to the sweep of its leftovers. Running processes keep their files.
+pub fn remove_pinned() {
+    let _ = std::fs::remove_dir_all(pin_dir());
+}
+
 /// The binary at `path` as it was when this test process first asked for `name`: a hard link in
 /// `$TMPDIR/swyt-<pid>-bin/` (swept with the run's other leftovers once the process is gone). A
 /// `cargo build` during the run replaces `target/debug/<name>` with a new file and leaves the
@@ -73,7 +84,7 @@ fn pinned(name: &str, path: &Path) -> PathBuf {
     if let Some(p) = pinned.get(name) {
         return p.clone();
     }
-    let dir = std::env::temp_dir().join(format!("{}-{}-bin", sweep::PREFIX, std::process::id()));
+    let dir = pin_dir();
     let link = dir.join(name);
     let made = std::fs::create_dir_all(&dir).and_then(|()| {
         let _ = std::fs::remove_file(&link);

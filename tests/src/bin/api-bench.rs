@@ -512,7 +512,7 @@ async fn main() -> ExitCode {
     };
     // On Ctrl-C or SIGTERM the bench's future is dropped, and with it everything it started
     // (apiserver, etcd, proxies, node namespaces: their owners stop or remove them on drop).
-    tokio::select! {
+    let code = tokio::select! {
         result = main_result(args) => match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -524,7 +524,9 @@ async fn main() -> ExitCode {
             eprintln!("api-bench: {signal}: stopping, removing what it started");
             ExitCode::from(130)
         }
-    }
+    };
+    switchyard_e2e::binaries::remove_pinned();
+    code
 }
 
 /// Waits for Ctrl-C or SIGTERM and names it (a signal that cannot be watched never comes).
