@@ -12,7 +12,10 @@
 //! fewest and the most endpoints, before each proxy starts and with its rules
 //! ([`scale::first_packet`]). Every
 //! proxy runs in a fresh node namespace against one apiserver per row, the proxies interleaved
-//! per repetition; cells are medians over the repetitions. Run as root, with the workspace's
+//! per repetition; cells are medians over the repetitions (each run's first-packet cells are also
+//! printed, for pairing runs). After loading a row it prints the apiserver's own time to serve both
+//! start-up lists ([`scale::lists`]). Ctrl-C or SIGTERM stops it and removes what it started. Run
+//! as root, with the workspace's
 //! binaries built in the same profile (`cargo build --release --bins` for `--release`).
 
 use std::{process::ExitCode, time::Duration};
@@ -412,6 +415,16 @@ async fn bench_row(a: &Args, n: usize, (lo, hi): (usize, usize), proxies: &[Prox
                 r.at_sync.cpu_s,
                 loadavg()
             );
+            // Each run's own first-packet cells, so runs can be paired (the table has medians).
+            for c in &r.first_packet {
+                println!(
+                    "rep {rep} {}: first packet to {} endpoint(s): {:.3} µs with rules, {:.3} without",
+                    p.label(),
+                    c.endpoints,
+                    c.with_rules_us,
+                    c.baseline_us
+                );
+            }
             runs[i].push(r);
         }
     }
