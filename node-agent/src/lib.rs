@@ -46,6 +46,34 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// A response from the apiserver could not be decoded.
+    #[error("decoding {what}: {detail}")]
+    Decode {
+        /// What was being decoded.
+        what: &'static str,
+        /// Why it failed.
+        detail: String,
+    },
+    /// A response from the apiserver did not arrive whole (stalled, cut).
+    #[error("{action}: {detail}")]
+    ApiStream {
+        /// What was being done.
+        action: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// The apiserver answered with a failure status.
+    #[error("{action}: the apiserver answered {code} {reason}: {message}")]
+    ApiStatus {
+        /// What was being done.
+        action: String,
+        /// The status code (410: the resource version is too old).
+        code: u16,
+        /// The machine-readable reason.
+        reason: String,
+        /// The message.
+        message: String,
+    },
     /// The agent's configuration is unusable.
     #[error("configuration: {0}")]
     Config(String),
@@ -60,6 +88,9 @@ impl Error {
         match self {
             Error::Netlink { .. } => "netlink",
             Error::Kube { .. } => "kube",
+            Error::Decode { .. } => "decode",
+            Error::ApiStatus { .. } => "api_status",
+            Error::ApiStream { .. } => "api_stream",
             Error::Config(_) => "config",
         }
     }

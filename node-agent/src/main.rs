@@ -113,6 +113,11 @@ struct Args {
     /// Seconds between capability re-probes in --report-only mode.
     #[arg(long, default_value_t = 300)]
     report_interval_seconds: u64,
+    /// Objects per page when Services and EndpointSlices are listed (at start-up and after the
+    /// apiserver asks for a relist). Larger pages mean fewer round trips and more memory for one
+    /// page; the default fits 44k Services in 9 pages of about 2 MB each.
+    #[arg(long, default_value_t = runtime::DEFAULT_LIST_PAGE, value_parser = clap::value_parser!(u32).range(1..))]
+    list_page_size: u32,
     /// Fault injection for the crash tests: stall for a minute right after persisting this switch
     /// phase, so that a test can kill the agent exactly there.
     #[arg(long, value_enum, hide = true)]
@@ -186,6 +191,24 @@ async fn agent_main(small_pages: nix::Result<()>) -> ExitCode {
     }
 }
 
+/// The capabilities, probed and logged.
+async fn probed(node: &str) -> Result<switchyard_crds::v1alpha1::Capabilities> {
+    let caps = capabilities().await?;
+    tracing::info!(node, kernel = caps.kernel_version, modes = ?caps.supported_modes, "capabilities probed");
+    Ok(caps)
+}
+
+/// `--sync-period`, checked.
+fn sync_period(args: &Args) -> Result<Duration> {
+    let finite_min = args.min_sync_period.is_none_or(|p| p.is_finite() && p >= 0.0);
+    if !(finite_min && args.sync_period.is_finite() && args.sync_period > 0.0) {
+        return Err(Error::Config(
+            "--min-sync-period must be a finite number >= 0 and --sync-period a finite number > 0".into(),
+        ));
+    }
+    Ok(Duration::from_secs_f64(args.sync_period))
+}
+
 async fn capabilities() -> Result<switchyard_crds::v1alpha1::Capabilities> {
     let facts = tokio::task::spawn_blocking(probe::HostFacts::gather)
         .await
@@ -233,12 +256,7 @@ fn runtime_config(
         .nodeport_addresses
         .clone()
         .unwrap_or_else(|| NodePortAddresses::default_for(mode));
-    let finite_min = args.min_sync_period.is_none_or(|p| p.is_finite() && p >= 0.0);
-    if !(finite_min && args.sync_period.is_finite() && args.sync_period > 0.0) {
-        return Err(Error::Config(
-            "--min-sync-period must be a finite number >= 0 and --sync-period a finite number > 0".into(),
-        ));
-    }
+    let sync_period = sync_period(args)?;
     Ok(runtime::Config {
         node_name: node,
         mode,
@@ -248,7 +266,7 @@ fn runtime_config(
         node_port_addresses,
         proxy_name: args.service_proxy_name.clone(),
         min_sync_period: args.min_sync_period.map(Duration::from_secs_f64),
-        sync_period: Duration::from_secs_f64(args.sync_period),
+        sync_period,
         capabilities: caps,
         state_dir: args.state_dir.clone(),
         takeover_kube_proxy: args.takeover_kube_proxy,
@@ -291,6 +309,7 @@ async fn run(args: Args) -> Result<()> {
         .node_name
         .clone()
         .ok_or_else(|| Error::Config("--node-name (or NODE_NAME) is required".into()))?;
+    tracing::info!(node, version = env!("CARGO_PKG_VERSION"), "agent starting");
     let client = client(
         args.kubeconfig.as_ref(),
         args.apiserver_host.as_deref(),
@@ -302,15 +321,24 @@ async fn run(args: Args) -> Result<()> {
     }
     // No API call before the proxy loop: an agent started while the apiserver is down must come
     // up and keep the node's rules (the loop registers the NodeProxy once the API answers).
-    let caps = capabilities().await?;
-    tracing::info!(node, kernel = caps.kernel_version, modes = ?caps.supported_modes, "capabilities probed");
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| Error::Config(format!("signal handler: {e}")))?;
     if args.report_only {
+        let caps = probed(&node).await?;
         return report_only(&args, &client, &node, caps, &mut terminate).await;
     }
-    let config = runtime_config(&args, node, caps)?;
-    let health = Arc::new(ProxyHealth::new(config.sync_period * 2));
+    // The kernel is probed while intake lists Services and EndpointSlices (tens of ms off a
+    // start; the first sync needs both).
+    let config = async {
+        let caps = probed(&node).await?;
+        runtime_config(&args, node.clone(), caps)
+    };
+    let intake = runtime::Intake {
+        node_name: node.clone(),
+        proxy_name: args.service_proxy_name.clone(),
+        list_page: args.list_page_size,
+    };
+    let health = Arc::new(ProxyHealth::new(sync_period(&args)?.mul_f64(2.0)));
     let metrics = Arc::new(Metrics::new());
     let router = health::router(HttpState {
         health: health.clone(),
@@ -326,7 +354,7 @@ async fn run(args: Args) -> Result<()> {
     };
     // Exiting never touches the kernel: the data path keeps forwarding while the agent restarts.
     tokio::select! {
-        r = runtime::run(client, config, health, metrics, fault_hook(&args)) => r,
+        r = runtime::run(client, intake, config, health, metrics, fault_hook(&args)) => r,
         r = servers => r.map_err(|e| Error::Config(format!("health server: {e}"))),
         _ = tokio::signal::ctrl_c() => Ok(()),
         _ = terminate.recv() => Ok(()),

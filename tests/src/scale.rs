@@ -1063,10 +1063,10 @@ pub async fn run_proxy(
 
 /// Our agent's start-up by its own log: (Services listed, EndpointSlices listed, first full sync),
 /// milliseconds each (the two lists run side by side). A node's log is appended to by each agent
-/// started there: only the last start's lines count (from its "capabilities probed" line on).
+/// started there: only the last start's lines count (from its "agent starting" line on).
 pub fn agent_timeline(log: &str) -> Option<(f64, f64, f64)> {
     let log = crate::logs::without_ansi(log);
-    let log = match log.rfind(" capabilities probed") {
+    let log = match log.rfind(" agent starting") {
         Some(at) => &log[log[..at].rfind('\n').map_or(0, |n| n + 1)..],
         None => &log[..],
     };
@@ -1121,7 +1121,7 @@ mod tests {
         assert_eq!(agent_timeline(log), Some((900.0, 2100.0, 350.0)));
         // A second agent on the same node appends to the log: its own start counts.
         let restarted = format!(
-            "{log}2026-12-04T21:01:00.0Z  INFO switchyard_agent: capabilities probed node=\"node-1\"\n{}",
+            "{log}2026-12-04T21:01:00.0Z  INFO switchyard_agent: agent starting node=\"node-1\"\n{}",
             log.replace("millis=2100", "millis=2200")
         );
         assert_eq!(agent_timeline(&restarted), Some((900.0, 2200.0, 350.0)));

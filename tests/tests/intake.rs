@@ -180,3 +180,97 @@ async fn nftables_takes_what_kube_proxy_takes() {
 async fn iptables_takes_what_kube_proxy_takes() {
     scenario("iptables").await;
 }
+
+/// ClusterIPs of the paging test's Services.
+fn paged_ip(i: usize) -> String {
+    format!("10.96.0.{}", 130 + i)
+}
+
+/// Intake in protobuf, as the agent ships: Services and EndpointSlices listed in pages of 2 (real
+/// continue tokens from the apiserver), then watched; after the control plane is SIGKILLed and
+/// started again the watches resume or relist (whichever the apiserver asks for) and a delete and
+/// an add made after the restart reach the kernel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_in_pages_and_follows_changes_across_a_control_plane_restart() {
+    let mut env = TestEnv::start(1, 1)
+        .await
+        .expect("control plane and a namespace node");
+    let admin = env.cp.admin_client().await.expect("admin");
+    let node = env.cluster.nodes[0].clone();
+    let http = [("http", 8080, "TCP")];
+    let port = json!([{"name": "http", "port": 80, "targetPort": 8080}]);
+    let eps = [Ep::ready(node.pods[0].ip, &node.name)];
+    let add = |i: usize| {
+        let (admin, port, eps) = (admin.clone(), port.clone(), eps.clone());
+        async move {
+            let name = format!("paged-{i}");
+            apply_service(
+                &admin,
+                &name,
+                json!({"clusterIP": paged_ip(i), "ports": port}),
+                None,
+            )
+            .await
+            .expect("service");
+            apply_slice(&admin, &name, &http, &eps).await.expect("slice");
+        }
+    };
+    // 7 of each: 4 pages of 2 (the last one short), with the default `kubernetes` Service 8.
+    for i in 0..7 {
+        add(i).await;
+    }
+    env.start_agents(&[
+        "--mode",
+        "nftables",
+        "--list-page-size",
+        "2",
+        "--min-sync-period",
+        "0.1",
+    ])
+    .await
+    .expect("agent");
+    let programmed = |want: Vec<usize>, gone: Vec<usize>| {
+        let netns = node.netns.clone();
+        move || {
+            let state = kernel_state(&netns, "nftables").ok()?;
+            let ok = want.iter().all(|i| state.contains(&paged_ip(*i)))
+                && !gone.iter().any(|i| state.contains(&paged_ip(*i)));
+            ok.then_some(())
+        }
+    };
+    let check = programmed((0..7).collect(), Vec::new());
+    switchyard_e2e::eventually(Duration::from_secs(60), "all 7 paged Services programmed", || {
+        std::future::ready(check())
+    })
+    .await
+    .expect("every page listed");
+
+    let killed = env.cp.kill_processes().expect("kill the control plane");
+    env.cp
+        .restart_processes(killed)
+        .await
+        .expect("restart the control plane");
+    switchyard_e2e::objects::delete_service(&admin, "paged-0")
+        .await
+        .expect("delete");
+    add(7).await;
+    let check = programmed((1..8).collect(), vec![0]);
+    switchyard_e2e::eventually(
+        Duration::from_secs(60),
+        "the delete and the add made after the restart programmed",
+        || std::future::ready(check()),
+    )
+    .await
+    .expect("the watches came back");
+    let agent = &mut env.agents[0];
+    assert_eq!(
+        agent.exit_status(),
+        None,
+        "the agent exited:\n{}",
+        agent.log_text()
+    );
+    let log = agent.log_text();
+    let lists = log.lines().filter(|l| l.contains(" listed ")).count();
+    println!("agent lists (Services and EndpointSlices, start-up and relists): {lists}");
+    assert!(lists >= 2, "both kinds listed:\n{log}");
+}

@@ -5,6 +5,7 @@
 
 pub mod convert;
 pub mod tracker;
+pub mod wire;
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -16,11 +16,16 @@ use kube::{
 use switchyard_crds::v1alpha1::{HealthGate, NodeProxy, ProbeTarget, ProxySettings};
 use tokio::sync::Notify;
 
+use super::reflector;
+
 use crate::{
-    Result,
+    Error, Result,
     health::ProxyHealth,
     metrics::Metrics,
-    model::tracker::{ServiceEntry, SliceEntry, Tracker},
+    model::{
+        tracker::{ServiceEntry, SliceEntry, Tracker},
+        wire::WireKind,
+    },
     switch::Desired,
 };
 
@@ -110,10 +115,11 @@ pub(super) fn now_seconds() -> f64 {
 
 /// Runs every watch (and the apiserver probe during outages); never ends unless one fails for
 /// good.
-pub(super) async fn run(client: Client, node_name: String, shared: Arc<Shared>) -> Result<()> {
+pub(super) async fn run(client: Client, intake: super::Intake, shared: Arc<Shared>) -> Result<()> {
+    let node_name = intake.node_name;
     tokio::try_join!(
-        watch_tracked::<Service>(client.clone(), shared.clone()),
-        watch_tracked::<EndpointSlice>(client.clone(), shared.clone()),
+        watch_tracked::<Service>(client.clone(), shared.clone(), intake.list_page),
+        watch_tracked::<EndpointSlice>(client.clone(), shared.clone(), intake.list_page),
         watch_node(client.clone(), node_name.clone(), shared.clone()),
         watch_own_nodeproxy(client.clone(), node_name, shared.clone()),
         probe_api(client, shared)
@@ -128,16 +134,7 @@ fn trim<K: kube::Resource>(mut obj: K) -> K {
 }
 
 /// How a watched kind feeds the tracker.
-trait Tracked:
-    kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
-    + Clone
-    + std::fmt::Debug
-    + serde::de::DeserializeOwned
-    + Send
-    + 'static
-{
-    /// Watch name for errors.
-    const WHAT: &'static str;
+trait Tracked: kube::Resource + WireKind + Send + 'static {
     /// What the tracker keeps of one object: a relist collects these, not the API objects (at
     /// 250k endpoints the objects cost several times the model).
     type Entry: Send;
@@ -154,7 +151,6 @@ trait Tracked:
 }
 
 impl Tracked for Service {
-    const WHAT: &'static str = "service";
     type Entry = ServiceEntry;
     fn apply(t: &mut Tracker, o: &Self) -> bool {
         t.apply_service(o)
@@ -174,7 +170,6 @@ impl Tracked for Service {
 }
 
 impl Tracked for EndpointSlice {
-    const WHAT: &'static str = "endpointslice";
     type Entry = SliceEntry;
     fn apply(t: &mut Tracker, o: &Self) -> bool {
         t.apply_slice(o)
@@ -238,7 +233,7 @@ impl kube::runtime::utils::Backoff for WatchBackoff {
 
 /// Unwraps one watch item: an error is counted, logged (once per outage at warn level) and
 /// reported in health and metrics, and the watch goes on (it re-lists or re-watches itself).
-fn watch_item<T>(shared: &Shared, what: &'static str, item: Result<T, watcher::Error>) -> Option<T> {
+fn watch_item<T, E: std::fmt::Display>(shared: &Shared, what: &'static str, item: Result<T, E>) -> Option<T> {
     match item {
         Ok(event) => {
             if let Some(down) = shared.health.api_recovered(what) {
@@ -325,45 +320,44 @@ fn track_event<K: Tracked>(t: &mut Tracker, init: &mut Vec<K::Entry>, event: wat
     }
 }
 
-/// Objects per page when Services and EndpointSlices are listed (kube-runtime's default is 500).
-/// Every page is a round trip in which the apiserver and the agent wait on each other; at 10k
-/// Services a 500-object page of JSON took the apiserver 22–30 ms (0.7 MB; the whole list in one
-/// response 150 ms for 14.5 MB). `api-bench --rows 10k --proxies sy-nft`, two runs each: start →
-/// all rules 0.58 / 0.62 s with pages of 500, 0.47 / 0.48 s with 5,000, 0.49 / 0.51 s unpaginated;
-/// peak RSS 69, 75 and 100 MiB. At 44k: 3.01 s with 500, 2.08 / 2.91 s with 5,000, peak RSS 243
-/// and 246 MiB (unpaginated: 2.90 s, 394 MiB).
-const LIST_PAGE: u32 = 5000;
-
-/// Feeds one kind's watch events into the tracker; a relist replaces the kind's whole state.
-/// Never ends: errors are retried with [`WatchBackoff`].
-async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>) -> Result<()> {
+/// Feeds one kind's list and watch events into the tracker; a relist replaces the kind's whole
+/// state. Never ends: errors are retried with [`WatchBackoff`], from where the watch left off.
+async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>, list_page: u32) -> Result<()> {
     let mut init: Vec<K::Entry> = Vec::new();
     let mut listing_since = std::time::Instant::now();
-    let config = watcher::Config::default().page_size(LIST_PAGE);
-    let mut stream = watcher(Api::<K>::all(client), config)
-        .backoff(WatchBackoff::new())
-        .boxed();
-    while let Some(item) = stream.next().await {
-        let Some(event) = watch_item(&shared, K::WHAT, item) else {
-            continue;
+    let mut position = reflector::Position::Unlisted;
+    let mut backoff = WatchBackoff::new();
+    loop {
+        let mut emit = |event: watcher::Event<K>| {
+            kube::runtime::utils::Backoff::reset(&mut backoff);
+            if watch_item::<_, Error>(&shared, K::WHAT, Ok(())).is_none() {
+                return;
+            }
+            match &event {
+                watcher::Event::Init => listing_since = std::time::Instant::now(),
+                watcher::Event::InitDone => tracing::info!(
+                    watch = K::WHAT,
+                    tracked = init.len(),
+                    millis = listing_since.elapsed().as_millis() as u64,
+                    "listed"
+                ),
+                _ => {}
+            }
+            let changed = track_event(&mut lock(&shared.tracker), &mut init, event);
+            if changed {
+                K::counter(&shared.metrics).inc();
+                shared.notify();
+            }
         };
-        match &event {
-            watcher::Event::Init => listing_since = std::time::Instant::now(),
-            watcher::Event::InitDone => tracing::info!(
-                watch = K::WHAT,
-                tracked = init.len(),
-                millis = listing_since.elapsed().as_millis() as u64,
-                "listed"
-            ),
-            _ => {}
-        }
-        let changed = track_event(&mut lock(&shared.tracker), &mut init, event);
-        if changed {
-            K::counter(&shared.metrics).inc();
-            shared.notify();
+        let outcome = reflector::step::<K>(&client, &mut position, list_page, &mut emit).await;
+        match outcome {
+            Ok(()) => kube::runtime::utils::Backoff::reset(&mut backoff),
+            Err(e) => {
+                watch_item::<(), _>(&shared, K::WHAT, Err(e));
+                tokio::time::sleep(backoff.next().unwrap_or(WatchBackoff::MAX)).await;
+            }
         }
     }
-    Ok(())
 }
 
 /// Whether the node may receive load-balancer traffic (kube-proxy's /healthz node check).
