@@ -371,6 +371,12 @@ impl Driver {
 
     /// Checks what the store held at start against the kernel (an unreadable or stale state
     /// never decides alone) and takes the start state.
+    /// Reads the start state now (the store was read when the driver was made; this reads the
+    /// kernel) instead of at the first sync, which then only programs.
+    pub fn read_start_state(&mut self) {
+        self.reconcile_loaded();
+    }
+
     fn reconcile_loaded(&mut self) {
         let Some(loaded) = self.loaded.take() else { return };
         let kernel = self.kernel_view();

@@ -140,6 +140,19 @@ fn new_driver(config: &Config, settings: &Settings, faults: &Arc<dyn FaultHook>)
     Driver::with_parts(parts, config.mode, settings.clone())
 }
 
+/// The driver, made and its start state read from the store and the kernel while intake lists
+/// (tens of ms of `iptables-save` off a start; the Node's settings are laid over it before the
+/// first sync). Only this agent changes its own kernel objects, so the reading stays true until
+/// then, however long the lists take.
+fn early_driver(config: &Config, faults: &Arc<dyn FaultHook>) -> tokio::task::JoinHandle<Driver> {
+    let (config, faults) = (config.clone(), faults.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut d = new_driver(&config, &node_settings(&config, None), &faults);
+        d.read_start_state();
+        d
+    })
+}
+
 /// How long the first sync waits, once Services and the Node are listed, for our NodeProxy to be
 /// listed too: its policy settings (NodePort addresses, masquerading, the service-proxy-name
 /// filter) must shape the first ruleset after a restart, or the data plane would flap to the
@@ -193,6 +206,7 @@ async fn sync_loop(
         faults,
     };
     let mut driver: Option<Driver> = None;
+    let mut early = Some(early_driver(&parts.config, &parts.faults));
     loop {
         let switching = driver.as_ref().is_some_and(Driver::switching);
         parts.runner.wait(&parts.shared.wake, switching).await;
@@ -204,7 +218,16 @@ async fn sync_loop(
         }
         let (mut d, fresh) = match driver.take() {
             Some(d) => (d, false),
-            None => (new_driver(&parts.config, &input.settings, &parts.faults), true),
+            None => match early.take().map(tokio::task::JoinHandle::into_future) {
+                Some(made) => match made.await {
+                    Ok(d) => (d, true),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the start-up kernel read failed; reading at the first sync");
+                        (new_driver(&parts.config, &input.settings, &parts.faults), true)
+                    }
+                },
+                None => (new_driver(&parts.config, &input.settings, &parts.faults), true),
+            },
         };
         parts.settings_in_force(&mut input, &mut d);
         let localhost = sysctls::localhost_wanted(&input.settings, &d.state);
