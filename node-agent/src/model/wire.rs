@@ -4,9 +4,10 @@
 //! carrying only the fields a proxy reads ([`service`], [`endpoint_slice`]); managed fields,
 //! owner references and the like are never built.
 //!
-//! At 10k Services the apiserver served both start-up lists in 160 ms as protobuf (4.7 + 4.0 MB)
-//! against 470 ms as JSON (8.3 + 8.4 MB), and the agent decodes them in 18 + 21 ms against 65 +
-//! 60 ms (`api-bench --rows 10k`, medians of 5 fetches).
+//! At 10k Services the apiserver served both start-up lists in 165 ms as protobuf (4.7 + 4.0 MB)
+//! against 470 ms as JSON (8.3 + 8.4 MB), medians of 5 fetches beside an `api-bench --rows 10k`
+//! run; decoding the same lists took 18 + 21 ms from protobuf against 65 + 60 ms from JSON into
+//! `k8s-openapi` (best of 5).
 //!
 //! Wire facts (apimachinery's protobuf serializer): a whole object or list is the magic
 //! `k8s\0` followed by a `runtime.Unknown` whose `raw` holds the object; a watch stream is a
