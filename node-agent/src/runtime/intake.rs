@@ -329,10 +329,9 @@ async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>, list_pag
     let mut backoff = WatchBackoff::new();
     loop {
         let mut emit = |event: watcher::Event<K>| {
+            // An event: the apiserver answers (ends an outage in health and metrics).
             kube::runtime::utils::Backoff::reset(&mut backoff);
-            if watch_item::<_, Error>(&shared, K::WHAT, Ok(())).is_none() {
-                return;
-            }
+            watch_item::<_, Error>(&shared, K::WHAT, Ok(()));
             match &event {
                 watcher::Event::Init => listing_since = std::time::Instant::now(),
                 watcher::Event::InitDone => tracing::info!(
