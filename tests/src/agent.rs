@@ -184,6 +184,23 @@ impl Agent {
 }
 
 impl Agent {
+    /// Freezes the agent with SIGSTOP (a hung process: its connections stay open, unread).
+    pub fn pause(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Thaws an agent frozen by [`Agent::pause`].
+    pub fn resume(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    /// `ip netns exec` execs the agent, so the child's PID is the agent's.
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+        }
+    }
+
     /// Kills the agent with SIGKILL (no chance to clean up), as a crash would.
     pub fn kill(mut self) {
         let _ = self.child.kill();

@@ -56,6 +56,8 @@ pub fn record_pid(dir: &Path, pid: u32) {
 pub fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
     let pid = Pid::from_raw(child.id() as i32);
     let _ = signal::kill(pid, signal::Signal::SIGTERM);
+    // A child a test froze (SIGSTOP) handles its SIGTERM only once thawed.
+    let _ = signal::kill(pid, signal::Signal::SIGCONT);
     let deadline = std::time::Instant::now() + grace;
     while std::time::Instant::now() < deadline {
         if let Ok(Some(_)) = child.try_wait() {

@@ -274,3 +274,98 @@ async fn lists_in_pages_and_follows_changes_across_a_control_plane_restart() {
     println!("agent lists (Services and EndpointSlices, start-up and relists): {lists}");
     assert!(lists >= 2, "both kinds listed:\n{log}");
 }
+
+/// A watch resumed from a resource version the apiserver no longer has relists (kube-proxy's
+/// reflector does the same on a 410). Made deterministic: the agent is frozen, the control plane
+/// restarted (its watches end), a delete and an add made, and the control plane restarted again,
+/// so its watch cache starts after the agent's last version; thawed, the agent's watches are
+/// answered "too old resource version" and it must relist to see the delete and the add.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_from_a_forgotten_version_relists() {
+    let mut env = TestEnv::start(1, 1)
+        .await
+        .expect("control plane and a namespace node");
+    let admin = env.cp.admin_client().await.expect("admin");
+    let node = env.cluster.nodes[0].clone();
+    let http = [("http", 8080, "TCP")];
+    let port = json!([{"name": "http", "port": 80, "targetPort": 8080}]);
+    let eps = [Ep::ready(node.pods[0].ip, &node.name)];
+    let add = |i: usize| {
+        let (admin, port, eps) = (admin.clone(), port.clone(), eps.clone());
+        async move {
+            let name = format!("paged-{i}");
+            apply_service(
+                &admin,
+                &name,
+                json!({"clusterIP": paged_ip(i), "ports": port}),
+                None,
+            )
+            .await
+            .expect("service");
+            apply_slice(&admin, &name, &http, &eps).await.expect("slice");
+        }
+    };
+    for i in 0..3 {
+        add(i).await;
+    }
+    env.start_agents(&["--mode", "nftables", "--min-sync-period", "0.1"])
+        .await
+        .expect("agent");
+    let programmed = |want: Vec<usize>, gone: Vec<usize>| {
+        let netns = node.netns.clone();
+        move || {
+            let state = kernel_state(&netns, "nftables").ok()?;
+            let ok = want.iter().all(|i| state.contains(&paged_ip(*i)))
+                && !gone.iter().any(|i| state.contains(&paged_ip(*i)));
+            ok.then_some(())
+        }
+    };
+    let check = programmed((0..3).collect(), Vec::new());
+    switchyard_e2e::eventually(Duration::from_secs(60), "3 Services programmed", || {
+        std::future::ready(check())
+    })
+    .await
+    .expect("listed");
+
+    env.agents[0].pause();
+    let killed = env.cp.kill_processes().expect("kill the control plane");
+    env.cp
+        .restart_processes(killed)
+        .await
+        .expect("restart the control plane");
+    switchyard_e2e::objects::delete_service(&admin, "paged-0")
+        .await
+        .expect("delete");
+    add(3).await;
+    let killed = env.cp.kill_processes().expect("kill the control plane again");
+    env.cp
+        .restart_processes(killed)
+        .await
+        .expect("restart the control plane again");
+    env.agents[0].resume();
+
+    // Done when the kernel has the delete and the add and the log shows both kinds answered 410
+    // and listed again (at start and after it: 4 lists).
+    let relisted = |log: &str| {
+        let by = |what: &str| {
+            let field = [format!("watch={what} "), format!("watch=\"{what}\"")];
+            log.lines().any(|l| {
+                l.contains("relisting") && l.contains("410") && field.iter().any(|f| l.contains(f.as_str()))
+            })
+        };
+        let lists = log.lines().filter(|l| l.contains(" listed ")).count();
+        by("service") && by("endpointslice") && lists >= 4
+    };
+    let check = programmed((1..4).collect(), vec![0]);
+    let log_path = env.agents[0].log.clone();
+    let outcome = switchyard_e2e::eventually(
+        Duration::from_secs(60),
+        "the delete and the add made while the agent was frozen programmed, after a relist of each kind",
+        || std::future::ready(check().filter(|()| relisted(&switchyard_e2e::logs::read(&log_path)))),
+    )
+    .await;
+    let agent = &mut env.agents[0];
+    let log = agent.log_text();
+    assert!(outcome.is_ok(), "{outcome:?}:\n{log}");
+    assert_eq!(agent.exit_status(), None, "the agent exited:\n{log}");
+}

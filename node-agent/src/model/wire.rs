@@ -374,4 +374,4 @@ fn endpoint(e: pb_discovery::Endpoint) -> discovery::Endpoint {
 
 #[cfg(test)]
 #[path = "wire_tests.rs"]
-mod tests;
+pub(crate) mod tests;

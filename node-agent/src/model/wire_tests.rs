@@ -5,7 +5,7 @@ use super::*;
 use crate::model::tracker::{ServiceEntry, SliceEntry};
 
 /// `message` in the whole-object encoding: magic, then a `runtime.Unknown` holding it.
-fn whole(message: &impl Message) -> Vec<u8> {
+pub(crate) fn whole(message: &impl Message) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
     Unknown {
         raw: Some(message.encode_to_vec()),
@@ -17,7 +17,7 @@ fn whole(message: &impl Message) -> Vec<u8> {
 }
 
 /// One watch frame: length, then the event.
-fn frame(kind: &str, object: Vec<u8>) -> Vec<u8> {
+pub(crate) fn frame(kind: &str, object: Vec<u8>) -> Vec<u8> {
     let event = pb_meta::WatchEvent {
         r#type: Some(kind.to_owned()),
         object: Some(RawExtension { raw: Some(object) }),
@@ -28,7 +28,7 @@ fn frame(kind: &str, object: Vec<u8>) -> Vec<u8> {
     out
 }
 
-fn meta(name: &str, version: &str, labels: &[(&str, &str)]) -> Option<pb_meta::ObjectMeta> {
+pub(crate) fn meta(name: &str, version: &str, labels: &[(&str, &str)]) -> Option<pb_meta::ObjectMeta> {
     Some(pb_meta::ObjectMeta {
         name: Some(name.to_owned()),
         namespace: Some("ns".to_owned()),

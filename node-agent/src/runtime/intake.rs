@@ -328,8 +328,12 @@ async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>, list_pag
     let mut position = reflector::Position::Unlisted;
     let mut backoff = WatchBackoff::new();
     loop {
+        let started = std::time::Instant::now();
+        let watching = position != reflector::Position::Unlisted;
+        let mut heard = false;
         let mut emit = |event: watcher::Event<K>| {
             // An event: the apiserver answers (ends an outage in health and metrics).
+            heard = true;
             kube::runtime::utils::Backoff::reset(&mut backoff);
             watch_item::<_, Error>(&shared, K::WHAT, Ok(()));
             match &event {
@@ -350,13 +354,32 @@ async fn watch_tracked<K: Tracked>(client: Client, shared: Arc<Shared>, list_pag
         };
         let outcome = reflector::step::<K>(&client, &mut position, list_page, &mut emit).await;
         match outcome {
+            Ok(()) if ended_at_once(heard, started.elapsed()) => {
+                // Not an error, but a server or proxy that closes every watch at once would
+                // otherwise make this a tight request loop.
+                tracing::debug!(watch = K::WHAT, "watch ended at once without events; backing off");
+                tokio::time::sleep(backoff.next().unwrap_or(WatchBackoff::MAX)).await;
+            }
             Ok(()) => kube::runtime::utils::Backoff::reset(&mut backoff),
+            Err(e) if watching && position == reflector::Position::Unlisted => {
+                // A 410: the apiserver answers, it just no longer has this watch's version (its
+                // watch cache restarted or moved on). Not an outage; the backoff only guards
+                // against a server that answers every watch so.
+                tracing::info!(watch = K::WHAT, error = %e, "relisting: the apiserver no longer has the version this watch was at");
+                tokio::time::sleep(backoff.next().unwrap_or(WatchBackoff::MAX)).await;
+            }
             Err(e) => {
                 watch_item::<(), _>(&shared, K::WHAT, Err(e));
                 tokio::time::sleep(backoff.next().unwrap_or(WatchBackoff::MAX)).await;
             }
         }
     }
+}
+
+/// Whether a step that succeeded was a watch that ended within a second without a single event
+/// (a list always emits): the next one waits out the backoff instead of starting at once.
+fn ended_at_once(heard: bool, took: Duration) -> bool {
+    !heard && took < Duration::from_secs(1)
 }
 
 /// Whether the node may receive load-balancer traffic (kube-proxy's /healthz node check).
@@ -450,6 +473,21 @@ async fn watch_own_nodeproxy(client: Client, name: String, shared: Arc<Shared>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_quick_silent_watch_end_backs_off() {
+        let ms = Duration::from_millis;
+        assert!(ended_at_once(false, ms(0)), "closed at once");
+        assert!(ended_at_once(false, ms(999)));
+        assert!(
+            !ended_at_once(false, ms(1000)),
+            "a watch that lasted ran its course"
+        );
+        assert!(
+            !ended_at_once(true, ms(5)),
+            "events were heard (a list always emits)"
+        );
+    }
 
     #[test]
     fn watch_backoff_grows_to_its_cap_with_jitter_and_never_ends() {

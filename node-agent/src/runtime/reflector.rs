@@ -240,7 +240,173 @@ fn urlencode(value: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::{
+        collections::VecDeque,
+        sync::{Arc, Mutex},
+    };
+
+    use http_body_util::Full;
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_pb::{api::core::v1 as pb_core, apimachinery::pkg::apis::meta::v1 as pb_meta};
+
     use super::*;
+    use crate::model::wire::tests::{frame, meta, whole};
+
+    /// A client whose apiserver answers from `answers` (status, body), one per request in order;
+    /// also returns the path and query of every request made.
+    fn scripted(answers: Vec<(u16, Vec<u8>)>) -> (Client, Arc<Mutex<Vec<String>>>) {
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&asked);
+        let script = Mutex::new(VecDeque::from(answers));
+        let apiserver = tower::service_fn(move |request: http::Request<Body>| {
+            seen.lock().expect("lock").push(request.uri().to_string());
+            let (code, body) = script
+                .lock()
+                .expect("lock")
+                .pop_front()
+                .expect("a scripted answer");
+            std::future::ready(
+                http::Response::builder()
+                    .status(code)
+                    .body(Full::new(bytes::Bytes::from(body))),
+            )
+        });
+        (Client::new(apiserver, "default"), asked)
+    }
+
+    fn service(name: &str, version: &str) -> pb_core::Service {
+        pb_core::Service {
+            metadata: meta(name, version, &[]),
+            ..Default::default()
+        }
+    }
+
+    fn expired() -> Vec<u8> {
+        whole(&pb_meta::Status {
+            code: Some(410),
+            reason: Some("Expired".to_owned()),
+            message: Some("too old resource version: 5 (30)".to_owned()),
+            ..Default::default()
+        })
+    }
+
+    /// Runs one step and names what it emitted.
+    async fn run(client: &Client, position: &mut Position, events: &mut Vec<String>) -> Result<()> {
+        let mut emit = |event: watcher::Event<Service>| {
+            let name = |s: &Service| s.metadata.name.clone().unwrap_or_default();
+            events.push(match event {
+                watcher::Event::Init => "init".to_owned(),
+                watcher::Event::InitApply(s) => format!("init-apply {}", name(&s)),
+                watcher::Event::InitDone => "init-done".to_owned(),
+                watcher::Event::Apply(s) => format!("apply {}", name(&s)),
+                watcher::Event::Delete(s) => format!("delete {}", name(&s)),
+            });
+        };
+        step(client, position, 500, &mut emit).await
+    }
+
+    #[tokio::test]
+    async fn a_forgotten_version_relists_and_the_watch_goes_on_from_the_list() {
+        let list = pb_core::ServiceList {
+            metadata: Some(pb_meta::ListMeta {
+                resource_version: Some("50".to_owned()),
+                ..Default::default()
+            }),
+            items: vec![service("a", "40")],
+        };
+        let mut stream = frame("ADDED", whole(&service("b", "51")));
+        stream.extend(frame("ERROR", expired()));
+        let (client, asked) = scripted(vec![
+            (410, expired()),
+            (200, whole(&list)),
+            (200, stream),
+            (410, b"not a Status".to_vec()),
+        ]);
+        let mut position = Position::At("5".to_owned());
+        let mut events = Vec::new();
+
+        let gone = run(&client, &mut position, &mut events).await;
+        assert!(
+            matches!(gone, Err(Error::ApiStatus { code: 410, .. })),
+            "{gone:?}"
+        );
+        assert_eq!(position, Position::Unlisted, "a 410 answer relists");
+        run(&client, &mut position, &mut events).await.expect("the list");
+        assert_eq!(
+            position,
+            Position::At("50".to_owned()),
+            "the watch follows the list"
+        );
+        let gone = run(&client, &mut position, &mut events).await;
+        assert!(
+            matches!(gone, Err(Error::ApiStatus { code: 410, .. })),
+            "{gone:?}"
+        );
+        assert_eq!(position, Position::Unlisted, "a 410 event in the stream relists");
+        position = Position::At("7".to_owned());
+        let gone = run(&client, &mut position, &mut events).await;
+        assert!(
+            matches!(gone, Err(Error::ApiStatus { code: 410, .. })),
+            "{gone:?}"
+        );
+        assert_eq!(
+            position,
+            Position::Unlisted,
+            "a 410 without a Status body (a proxy's)"
+        );
+
+        assert_eq!(events, ["init", "init-apply a", "init-done", "apply b"]);
+        let asked = asked.lock().expect("lock");
+        assert!(
+            asked[0].contains("watch=true") && asked[0].contains("resourceVersion=5"),
+            "{asked:?}"
+        );
+        assert!(
+            asked[1].contains("limit=500") && !asked[1].contains("watch"),
+            "{asked:?}"
+        );
+        assert!(
+            asked[2].contains("watch=true") && asked[2].contains("resourceVersion=50"),
+            "{asked:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_watch_resumes_from_the_last_version_it_heard() {
+        let mut ended = frame("MODIFIED", whole(&service("a", "51")));
+        ended.extend(frame("BOOKMARK", whole(&service("", "60"))));
+        let mut cut = frame("DELETED", whole(&service("a", "61")));
+        cut.extend(&frame("ADDED", whole(&service("b", "62")))[..9]);
+        let (client, asked) = scripted(vec![(200, ended), (200, cut), (500, Vec::new())]);
+        let mut position = Position::At("50".to_owned());
+        let mut events = Vec::new();
+
+        run(&client, &mut position, &mut events)
+            .await
+            .expect("a clean end");
+        assert_eq!(position, Position::At("60".to_owned()), "from the bookmark");
+        let cut = run(&client, &mut position, &mut events).await;
+        assert!(matches!(cut, Err(Error::ApiStream { .. })), "{cut:?}");
+        assert_eq!(
+            position,
+            Position::At("60".to_owned()),
+            "a broken watch is retried from where it started (its events again: applies are idempotent)"
+        );
+        let failed = run(&client, &mut position, &mut events).await;
+        assert!(
+            matches!(failed, Err(Error::ApiStatus { code: 500, .. })),
+            "{failed:?}"
+        );
+        assert_eq!(
+            position,
+            Position::At("60".to_owned()),
+            "other errors retry the same watch"
+        );
+
+        assert_eq!(events, ["apply a", "delete a"]);
+        let asked = asked.lock().expect("lock");
+        assert!(asked[1].contains("resourceVersion=60") && asked[2].contains("resourceVersion=60"));
+    }
 
     #[test]
     fn query_values_are_percent_encoded() {
