@@ -164,7 +164,7 @@ impl Frames {
 }
 
 /// A kind the agent lists and watches in protobuf.
-pub trait WireKind: Sized {
+pub trait WireKind: k8s_openapi::Metadata<Ty = ObjectMeta> + Sized {
     /// Its name in errors.
     const WHAT: &'static str;
     /// The collection's path (all namespaces).
@@ -174,7 +174,9 @@ pub trait WireKind: Sized {
     /// Decodes one list (already unwrapped from its envelope).
     fn decode_list(raw: &[u8]) -> Result<ListPage<Self>>;
     /// The object's resource version.
-    fn resource_version(&self) -> Option<&str>;
+    fn resource_version(&self) -> Option<&str> {
+        self.metadata().resource_version.as_deref()
+    }
 }
 
 /// The page's items converted with `convert`, and its list metadata.
@@ -199,9 +201,6 @@ impl WireKind for core::Service {
         let list = pb_core::ServiceList::decode(raw).map_err(|e| decode_error("service list", e))?;
         Ok(page(list.items, list.metadata, service))
     }
-    fn resource_version(&self) -> Option<&str> {
-        self.metadata.resource_version.as_deref()
-    }
 }
 
 impl WireKind for EndpointSlice {
@@ -216,9 +215,6 @@ impl WireKind for EndpointSlice {
         let list = pb_discovery::EndpointSliceList::decode(raw)
             .map_err(|e| decode_error("endpointslice list", e))?;
         Ok(page(list.items, list.metadata, endpoint_slice))
-    }
-    fn resource_version(&self) -> Option<&str> {
-        self.metadata.resource_version.as_deref()
     }
 }
 
