@@ -80,6 +80,8 @@ pub struct Driver {
     store: Box<dyn StateStore>,
     /// What the store held at start, until the first sync reconciles it with the kernel.
     loaded: Option<Loaded>,
+    /// The modes whose backends had nothing in the kernel when the start state was read.
+    absent_at_start: Vec<ProxyMode>,
     /// The persisted state could not be trusted at start (why), or the last store failed.
     pub state_problem: Option<StateProblem>,
     /// The in-memory state is ahead of the store (a store after an effect failed): retried.
@@ -155,6 +157,7 @@ impl Driver {
             state,
             store: parts.store,
             loaded: Some(loaded),
+            absent_at_start: Vec::new(),
             state_problem: None,
             unsaved: false,
             settings,
@@ -354,19 +357,29 @@ impl Driver {
     }
 
     /// What the kernel holds of each backend, read back; a backend that cannot be read counts as
-    /// absent (logged).
-    fn kernel_view(&self) -> Vec<(ProxyMode, Presence)> {
-        ProxyMode::ALL
+    /// absent (logged). Also: the modes read back as absent (not the unreadable ones).
+    fn kernel_view(&self) -> (Vec<(ProxyMode, Presence)>, Vec<ProxyMode>) {
+        let mut absent = Vec::new();
+        let view = ProxyMode::ALL
             .iter()
             .map(|&mode| {
                 let b = self.factory.build(mode, &self.settings);
-                let presence = b.presence().unwrap_or_else(|e| {
-                    tracing::warn!(%mode, error = %e, "cannot read this backend's kernel state; taking it as absent");
-                    Presence::Absent
-                });
+                let presence = match b.presence() {
+                    Ok(presence) => {
+                        if presence == Presence::Absent {
+                            absent.push(mode);
+                        }
+                        presence
+                    }
+                    Err(e) => {
+                        tracing::warn!(%mode, error = %e, "cannot read this backend's kernel state; taking it as absent");
+                        Presence::Absent
+                    }
+                };
                 (mode, presence)
             })
-            .collect()
+            .collect();
+        (view, absent)
     }
 
     /// Checks what the store held at start against the kernel (an unreadable or stale state
@@ -379,7 +392,8 @@ impl Driver {
 
     fn reconcile_loaded(&mut self) {
         let Some(loaded) = self.loaded.take() else { return };
-        let kernel = self.kernel_view();
+        let (kernel, absent) = self.kernel_view();
+        self.absent_at_start = absent;
         let start = switch::start_state(&loaded, &kernel, self.initial);
         tracing::info!(?kernel, store = %self.store.location(), serving = %start.state.active, "start state");
         if let Some((reason, message)) = start.problem {
@@ -404,10 +418,23 @@ impl Driver {
         self.reconcile_loaded();
         let r = switch::recover(&self.state);
         let serve = r.serve;
+        // Backends with nothing in the kernel at start are cleaned first, while the tables are
+        // small: nothing of theirs serves, and a clean-up that reads a table whole (IPVS's on
+        // iptables-legacy) would otherwise read ours too (0.24 s of the first sync at 10k
+        // Services). The others are removed after ours serve (make before break); so is any
+        // early clean-up that failed, whose error then counts.
+        let mut remove_after = Vec::new();
+        for mode in r.remove {
+            let early = self.absent_at_start.contains(&mode)
+                && self.factory.build(mode, &self.settings).cleanup().is_ok();
+            if !early {
+                remove_after.push(mode);
+            }
+        }
         let b = self.backend(serve);
         b.set_bypass(false)?;
         let stats = b.sync(snapshot, changes, true)?;
-        for mode in r.remove {
+        for mode in remove_after {
             self.factory.build(mode, &self.settings).cleanup()?;
         }
         if let Some((result, reason)) = r.result {

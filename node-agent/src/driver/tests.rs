@@ -355,17 +355,39 @@ fn no_step_runs_before_the_first_sync_which_serves_one_backend_and_removes_the_o
         "a step before the first sync touched the kernel"
     );
     rig.sync().expect("sync");
-    let log = rig.take_log();
     assert_eq!(
-        log[..2],
+        rig.take_log(),
         [
-            "iptables bypass=false".to_owned(),
-            "iptables sync full=true".into()
-        ]
+            "ipvs cleanup",
+            "iptables bypass=false",
+            "iptables sync full=true",
+            "nftables cleanup"
+        ],
+        "what was absent at start is cleaned first; what serves (nftables) only after ours serve"
     );
-    assert!(log.contains(&"nftables cleanup".into()) && log.contains(&"ipvs cleanup".into()));
     assert_eq!(rig.programmed(), BTreeMap::from([(IPT, false)]));
     assert_eq!(rig.stored_phases(), [Phase::Active]);
+}
+
+#[test]
+fn an_early_clean_up_that_fails_is_tried_again_after_ours_serve_and_its_error_counts() {
+    let mut rig = Rig::with(IPT, Loaded::Absent, &[]);
+    rig.fail(IPVS, "cleanup");
+    assert!(rig.sync().is_err(), "the clean-up error is the first sync's");
+    assert_eq!(
+        rig.take_log(),
+        [
+            "ipvs cleanup",
+            "nftables cleanup",
+            "iptables bypass=false",
+            "iptables sync full=true",
+            "ipvs cleanup"
+        ],
+        "ours serve although a leftover could not be removed"
+    );
+    with(&rig.kernel, |k| k.fail.clear());
+    rig.sync().expect("the next first sync");
+    assert_eq!(rig.driver.state.active, IPT);
 }
 
 #[test]
