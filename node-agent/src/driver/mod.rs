@@ -80,8 +80,8 @@ pub struct Driver {
     store: Box<dyn StateStore>,
     /// What the store held at start, until the first sync reconciles it with the kernel.
     loaded: Option<Loaded>,
-    /// The modes whose backends had nothing in the kernel when the start state was read.
-    absent_at_start: Vec<ProxyMode>,
+    /// The backends removed when the start state was read (absent then; see `clean_absent`).
+    cleaned_early: Vec<ProxyMode>,
     /// The persisted state could not be trusted at start (why), or the last store failed.
     pub state_problem: Option<StateProblem>,
     /// The in-memory state is ahead of the store (a store after an effect failed): retried.
@@ -157,7 +157,7 @@ impl Driver {
             state,
             store: parts.store,
             loaded: Some(loaded),
-            absent_at_start: Vec::new(),
+            cleaned_early: Vec::new(),
             state_problem: None,
             unsaved: false,
             settings,
@@ -393,7 +393,6 @@ impl Driver {
     fn reconcile_loaded(&mut self) {
         let Some(loaded) = self.loaded.take() else { return };
         let (kernel, absent) = self.kernel_view();
-        self.absent_at_start = absent;
         let start = switch::start_state(&loaded, &kernel, self.initial);
         tracing::info!(?kernel, store = %self.store.location(), serving = %start.state.active, "start state");
         if let Some((reason, message)) = start.problem {
@@ -410,6 +409,23 @@ impl Driver {
             self.finish(from, to, result, reason, token);
         }
         self.state = start.state;
+        self.clean_absent(&absent);
+    }
+
+    /// Removes what may be left of the backends that will not serve and that the kernel showed
+    /// absent at start. Nothing of theirs serves, so this need not wait for ours (make before
+    /// break is for the present ones, which the first sync removes after ours serve), and done
+    /// now — from [`Driver::read_start_state`], while intake lists — it neither delays our rules
+    /// nor reads them: a clean-up that reads a table whole (IPVS's on iptables-legacy) read our
+    /// 10k Services too after the first sync (0.24 s of it). A failed one is left to the first
+    /// sync, whose error it then is.
+    fn clean_absent(&mut self, absent: &[ProxyMode]) {
+        for mode in switch::recover(&self.state).remove {
+            if absent.contains(&mode) && self.factory.build(mode, &self.settings).cleanup().is_ok() {
+                tracing::debug!(%mode, "removed what was left of a backend absent at start");
+                self.cleaned_early.push(mode);
+            }
+        }
     }
 
     /// The first sync: reconciles the persisted state with the kernel, then programs the backend
@@ -418,24 +434,13 @@ impl Driver {
         self.reconcile_loaded();
         let r = switch::recover(&self.state);
         let serve = r.serve;
-        // Backends with nothing in the kernel at start are cleaned first, while the tables are
-        // small: nothing of theirs serves, and a clean-up that reads a table whole (IPVS's on
-        // iptables-legacy) would otherwise read ours too (0.24 s of the first sync at 10k
-        // Services). The others are removed after ours serve (make before break); so is any
-        // early clean-up that failed, whose error then counts.
-        let mut remove_after = Vec::new();
-        for mode in r.remove {
-            let early = self.absent_at_start.contains(&mode)
-                && self.factory.build(mode, &self.settings).cleanup().is_ok();
-            if !early {
-                remove_after.push(mode);
-            }
-        }
         let b = self.backend(serve);
         b.set_bypass(false)?;
         let stats = b.sync(snapshot, changes, true)?;
-        for mode in remove_after {
-            self.factory.build(mode, &self.settings).cleanup()?;
+        for mode in r.remove {
+            if !self.cleaned_early.contains(&mode) {
+                self.factory.build(mode, &self.settings).cleanup()?;
+            }
         }
         if let Some((result, reason)) = r.result {
             let (from, to, token) = (

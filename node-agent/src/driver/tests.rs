@@ -370,6 +370,31 @@ fn no_step_runs_before_the_first_sync_which_serves_one_backend_and_removes_the_o
 }
 
 #[test]
+fn reading_the_start_state_removes_only_absent_backends_and_the_first_sync_not_again() {
+    // iptables serves as stored; a bypassed nftables table is left over.
+    let mut rig = Rig::with(
+        IPT,
+        Loaded::Valid(SwitchState::active(IPT)),
+        &[(IPT, false), (NFT, true)],
+    );
+    rig.driver.read_start_state();
+    assert_eq!(
+        rig.take_log(),
+        ["ipvs cleanup"],
+        "nftables is present: it waits until ours serve"
+    );
+    rig.sync().expect("sync");
+    assert_eq!(
+        rig.take_log(),
+        [
+            "iptables bypass=false",
+            "iptables sync full=true",
+            "nftables cleanup"
+        ]
+    );
+}
+
+#[test]
 fn an_early_clean_up_that_fails_is_tried_again_after_ours_serve_and_its_error_counts() {
     let mut rig = Rig::with(IPT, Loaded::Absent, &[]);
     rig.fail(IPVS, "cleanup");
