@@ -186,39 +186,63 @@ fn paged_ip(i: usize) -> String {
     format!("10.96.0.{}", 130 + i)
 }
 
+/// Adds Service `paged-{i}` (ClusterIP [`paged_ip`]) with a slice of `node`'s pod.
+async fn add_paged(admin: &kube::Client, node: &switchyard_e2e::netns::Node, i: usize) {
+    let name = format!("paged-{i}");
+    let port = json!([{"name": "http", "port": 80, "targetPort": 8080}]);
+    apply_service(
+        admin,
+        &name,
+        json!({"clusterIP": paged_ip(i), "ports": port}),
+        None,
+    )
+    .await
+    .expect("service");
+    let eps = [Ep::ready(node.pods[0].ip, &node.name)];
+    apply_slice(admin, &name, &[("http", 8080, "TCP")], &eps)
+        .await
+        .expect("slice");
+}
+
+/// Some when `node`'s nftables table holds the ClusterIP of every `paged-{want}` and of no
+/// `paged-{gone}`.
+fn paged_programmed(node: &switchyard_e2e::netns::Node, want: &[usize], gone: &[usize]) -> Option<()> {
+    let state = kernel_state(&node.netns, "nftables").ok()?;
+    let ok = want.iter().all(|i| state.contains(&paged_ip(*i)))
+        && !gone.iter().any(|i| state.contains(&paged_ip(*i)));
+    ok.then_some(())
+}
+
+/// A control plane with one namespace node (no agent yet) and Services `paged-0` … `paged-{n-1}`.
+async fn env_with_paged(n: usize) -> (TestEnv, kube::Client, switchyard_e2e::netns::Node) {
+    let env = TestEnv::start(1, 1)
+        .await
+        .expect("control plane and a namespace node");
+    let admin = env.cp.admin_client().await.expect("admin");
+    let node = env.cluster.nodes[0].clone();
+    for i in 0..n {
+        add_paged(&admin, &node, i).await;
+    }
+    (env, admin, node)
+}
+
+/// SIGKILLs the control plane and starts it again (same data, ports and certificates).
+async fn restart_control_plane(env: &mut TestEnv) {
+    let killed = env.cp.kill_processes().expect("kill the control plane");
+    env.cp
+        .restart_processes(killed)
+        .await
+        .expect("restart the control plane");
+}
+
 /// Intake in protobuf, as the agent ships: Services and EndpointSlices listed in pages of 2 (real
 /// continue tokens from the apiserver), then watched; after the control plane is SIGKILLed and
 /// started again the watches resume or relist (whichever the apiserver asks for) and a delete and
 /// an add made after the restart reach the kernel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lists_in_pages_and_follows_changes_across_a_control_plane_restart() {
-    let mut env = TestEnv::start(1, 1)
-        .await
-        .expect("control plane and a namespace node");
-    let admin = env.cp.admin_client().await.expect("admin");
-    let node = env.cluster.nodes[0].clone();
-    let http = [("http", 8080, "TCP")];
-    let port = json!([{"name": "http", "port": 80, "targetPort": 8080}]);
-    let eps = [Ep::ready(node.pods[0].ip, &node.name)];
-    let add = |i: usize| {
-        let (admin, port, eps) = (admin.clone(), port.clone(), eps.clone());
-        async move {
-            let name = format!("paged-{i}");
-            apply_service(
-                &admin,
-                &name,
-                json!({"clusterIP": paged_ip(i), "ports": port}),
-                None,
-            )
-            .await
-            .expect("service");
-            apply_slice(&admin, &name, &http, &eps).await.expect("slice");
-        }
-    };
     // 7 of each: 4 pages of 2 (the last one short), with the default `kubernetes` Service 8.
-    for i in 0..7 {
-        add(i).await;
-    }
+    let (mut env, admin, node) = env_with_paged(7).await;
     env.start_agents(&[
         "--mode",
         "nftables",
@@ -229,36 +253,23 @@ async fn lists_in_pages_and_follows_changes_across_a_control_plane_restart() {
     ])
     .await
     .expect("agent");
-    let programmed = |want: Vec<usize>, gone: Vec<usize>| {
-        let netns = node.netns.clone();
-        move || {
-            let state = kernel_state(&netns, "nftables").ok()?;
-            let ok = want.iter().all(|i| state.contains(&paged_ip(*i)))
-                && !gone.iter().any(|i| state.contains(&paged_ip(*i)));
-            ok.then_some(())
-        }
-    };
-    let check = programmed((0..7).collect(), Vec::new());
+    let all: Vec<usize> = (0..7).collect();
     switchyard_e2e::eventually(Duration::from_secs(60), "all 7 paged Services programmed", || {
-        std::future::ready(check())
+        std::future::ready(paged_programmed(&node, &all, &[]))
     })
     .await
     .expect("every page listed");
 
-    let killed = env.cp.kill_processes().expect("kill the control plane");
-    env.cp
-        .restart_processes(killed)
-        .await
-        .expect("restart the control plane");
+    restart_control_plane(&mut env).await;
     switchyard_e2e::objects::delete_service(&admin, "paged-0")
         .await
         .expect("delete");
-    add(7).await;
-    let check = programmed((1..8).collect(), vec![0]);
+    add_paged(&admin, &node, 7).await;
+    let after: Vec<usize> = (1..8).collect();
     switchyard_e2e::eventually(
         Duration::from_secs(60),
         "the delete and the add made after the restart programmed",
-        || std::future::ready(check()),
+        || std::future::ready(paged_programmed(&node, &after, &[0])),
     )
     .await
     .expect("the watches came back");
@@ -282,66 +293,23 @@ async fn lists_in_pages_and_follows_changes_across_a_control_plane_restart() {
 /// answered "too old resource version" and it must relist to see the delete and the add.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_from_a_forgotten_version_relists() {
-    let mut env = TestEnv::start(1, 1)
-        .await
-        .expect("control plane and a namespace node");
-    let admin = env.cp.admin_client().await.expect("admin");
-    let node = env.cluster.nodes[0].clone();
-    let http = [("http", 8080, "TCP")];
-    let port = json!([{"name": "http", "port": 80, "targetPort": 8080}]);
-    let eps = [Ep::ready(node.pods[0].ip, &node.name)];
-    let add = |i: usize| {
-        let (admin, port, eps) = (admin.clone(), port.clone(), eps.clone());
-        async move {
-            let name = format!("paged-{i}");
-            apply_service(
-                &admin,
-                &name,
-                json!({"clusterIP": paged_ip(i), "ports": port}),
-                None,
-            )
-            .await
-            .expect("service");
-            apply_slice(&admin, &name, &http, &eps).await.expect("slice");
-        }
-    };
-    for i in 0..3 {
-        add(i).await;
-    }
+    let (mut env, admin, node) = env_with_paged(3).await;
     env.start_agents(&["--mode", "nftables", "--min-sync-period", "0.1"])
         .await
         .expect("agent");
-    let programmed = |want: Vec<usize>, gone: Vec<usize>| {
-        let netns = node.netns.clone();
-        move || {
-            let state = kernel_state(&netns, "nftables").ok()?;
-            let ok = want.iter().all(|i| state.contains(&paged_ip(*i)))
-                && !gone.iter().any(|i| state.contains(&paged_ip(*i)));
-            ok.then_some(())
-        }
-    };
-    let check = programmed((0..3).collect(), Vec::new());
     switchyard_e2e::eventually(Duration::from_secs(60), "3 Services programmed", || {
-        std::future::ready(check())
+        std::future::ready(paged_programmed(&node, &[0, 1, 2], &[]))
     })
     .await
     .expect("listed");
 
     env.agents[0].pause();
-    let killed = env.cp.kill_processes().expect("kill the control plane");
-    env.cp
-        .restart_processes(killed)
-        .await
-        .expect("restart the control plane");
+    restart_control_plane(&mut env).await;
     switchyard_e2e::objects::delete_service(&admin, "paged-0")
         .await
         .expect("delete");
-    add(3).await;
-    let killed = env.cp.kill_processes().expect("kill the control plane again");
-    env.cp
-        .restart_processes(killed)
-        .await
-        .expect("restart the control plane again");
+    add_paged(&admin, &node, 3).await;
+    restart_control_plane(&mut env).await;
     env.agents[0].resume();
 
     // Done when the kernel has the delete and the add and the log shows both kinds answered 410
@@ -356,12 +324,15 @@ async fn a_watch_from_a_forgotten_version_relists() {
         let lists = log.lines().filter(|l| l.contains(" listed ")).count();
         by("service") && by("endpointslice") && lists >= 4
     };
-    let check = programmed((1..4).collect(), vec![0]);
     let log_path = env.agents[0].log.clone();
     let outcome = switchyard_e2e::eventually(
         Duration::from_secs(60),
         "the delete and the add made while the agent was frozen programmed, after a relist of each kind",
-        || std::future::ready(check().filter(|()| relisted(&switchyard_e2e::logs::read(&log_path)))),
+        || {
+            let done = paged_programmed(&node, &[1, 2, 3], &[0])
+                .filter(|()| relisted(&switchyard_e2e::logs::read(&log_path)));
+            std::future::ready(done)
+        },
     )
     .await;
     let agent = &mut env.agents[0];
