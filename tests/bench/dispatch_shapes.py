@@ -3,15 +3,18 @@
 what the kernel charges a commit of one service's element.
 
 How a new connection reaches the `numgen` map of its service's endpoint count decides its
-first-packet cost. Three shapes are loaded in turn, by `nft -f`, into a network namespace this
+first-packet cost. Four shapes are loaded in turn, by `nft -f`, into a network namespace this
 script creates (and deletes), and each is timed with the same traffic:
 
-  trie      the agent's shape: a binary trie over the bits in which the counts in use differ,
-            one plain-set lookup per level (`... @bit-K goto ...`), then the count's map
+  trie      the agent's earlier shape: a binary trie over the bits in which the counts in use
+            differ, one plain-set lookup per level (`... @bit-K goto ...`), then the count's map
   register  a count map whose value selects the count's chain through a small verdict map: two
             lookups. The agent would chain the lookups through a register; nft's grammar
             (text and JSON) cannot write that, so here the value passes through `meta mark`
             (which a proxy must not clobber), the same two lookups plus a mark write
+  goto      the agent's shape: a verdict-map element per service that `goto`s the chain of its
+            endpoint count, shared by every service of that count (which marks traffic from
+            outside the cluster for masquerade, then DNATs through the count's map)
   kp        kube-proxy's: a verdict-map element per service, `goto` its own chain, whose
             `numgen ... vmap` picks an endpoint chain that DNATs
 
@@ -25,7 +28,7 @@ differ between shapes; the agent's and kube-proxy's whole rulesets are compared 
 
 The second table times `nft add element` of one service into each shape's per-service map with
 N services loaded (median of 30): a `goto` element makes the kernel validate every element of
-the verdict map on each commit, which is why the agent keeps services as plain elements.
+the verdict map on each commit (the agent's `goto` elements reach count chains of one rule each).
 
 Usage (root): python3 tests/bench/dispatch_shapes.py [--services 1000] [--counts 64]
               [--flows 60000] [--batches 7] [--commit-services 44000]
@@ -43,7 +46,7 @@ import sys
 import threading
 import time
 
-SHAPES = ("trie", "register", "kp")
+SHAPES = ("trie", "register", "goto", "kp")
 
 
 def cluster_ip(i):
@@ -100,6 +103,14 @@ def ruleset(shape, services, counts):
             out.append(f" set bit{b} {{ type ipv4_addr . inet_proto . inet_service; }}")
         trie_chains(used, out)
         entry = "jump d"
+    elif shape == "goto":
+        out.append(" map sips { type ipv4_addr . inet_proto . inet_service : verdict; }")
+        for n in used:
+            out.append(
+                f" chain d{n} {{ ip saddr != 10.244.0.0/16 meta mark set meta mark | 0x4000; "
+                f"dnat ip to ip daddr . meta l4proto . th dport . numgen random mod {n} map @eps{n}; }}"
+            )
+        entry = "ip daddr . meta l4proto . th dport vmap @sips"
     elif shape == "register":
         out.append(" map counts { type ipv4_addr . inet_proto . inet_service : mark; }")
         out.append(" map disp { type mark : verdict; }")
@@ -155,6 +166,8 @@ def elements(shape, services, counts, used):
     if shape == "trie":
         for b in range(max(used).bit_length()):
             out += line(f"bit{b}", [key(i) for i in range(services) if count_of(i, counts) >> b & 1])
+    elif shape == "goto":
+        out += line("sips", [f"{key(i)} : goto d{count_of(i, counts)}" for i in range(services)])
     else:
         out += line("counts", [f"{key(i)} : {count_of(i, counts)}" for i in range(services)])
         out += line("disp", [f"{n} : goto d{n}" for n in used])
@@ -324,7 +337,7 @@ def main():
             print(f"| {t} endpoint(s) | {text} |")
         ms = commits(netns, args)
         print(f"\nAdding one service's element with {args.commit_services} services loaded (median of 30 `nft -f`)\n")
-        print("| plain endpoint-map element (trie, register) | verdict-map `goto` element (kp) |")
+        print("| plain endpoint-map element | verdict-map `goto` element (goto, kp) |")
         print("|---|---|")
         print(f"| {ms[False]:.1f} ms | {ms[True]:.1f} ms |")
     finally:

@@ -8,13 +8,22 @@ creates (and deletes), sends new-flow SYNs (the traffic of `dispatch_shapes.py`)
 of the Services with the fewest and the most endpoints, and prints system CPU µs per SYN for the
 whole ruleset and for the ruleset without each rule named by `--drop` (a substring of the rule).
 
+With `--rounds N` it compares whole rulesets instead: each round loads every ruleset in turn
+(order rotated per round, so that no ruleset always follows the same one) and times it, and the
+table gives each ruleset's median and, per pair, the median of the per-round differences and in
+how many rounds the first was cheaper — on a machine whose cost per SYN drifts by more than the
+differences asked about, only paired rounds can tell them apart.
+
 Usage (root): python3 tests/bench/ruleset_ablation.py --ruleset ours.nft --ruleset kp.nft
-              [--drop '@masquerade-ips' --drop '@hairpin-connections' ...] [--flows 60000]
+              [--drop '@cluster-ips' --drop '@hairpin-connections' ...] [--flows 60000]
+              [--rounds 16 --flows 30000 --batches 5]
 """
 
 import argparse
+import itertools
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -70,16 +79,46 @@ def measure(netns, text, tg, args):
     return {n: ds.sys_us_per_syn(netns, ips, args.flows, args.batches, bool(text)) for n, ips in tg.items()}
 
 
+def rounds(netns, args):
+    """Whole rulesets, interleaved over `args.rounds` rounds: medians and paired differences."""
+    texts = {p: open(p, encoding="utf-8").read() for p in args.ruleset}
+    tgs = {p: targets(t) for p, t in texts.items()}
+    costs = {p: {n: [] for n in tgs[p]} for p in args.ruleset}
+    for r in range(args.rounds):
+        k = r % len(args.ruleset)
+        for p in args.ruleset[k:] + args.ruleset[:k]:
+            for n, c in measure(netns, texts[p], tgs[p], args).items():
+                costs[p][n].append(c)
+    name = os.path.basename
+    print(f"| ruleset | to the fewest endpoints (median of {args.rounds}) | to the most |")
+    print("|---|---|---|")
+    for p, by_count in costs.items():
+        cells = " | ".join(f"{statistics.median(v):.2f} ({n})" for n, v in by_count.items())
+        print(f"| {name(p)} | {cells} |")
+    print("\n| pair (first − second) | fewest endpoints: median difference, rounds first cheaper | most |")
+    print("|---|---|---|")
+    for a, b in itertools.combinations(args.ruleset, 2):
+        cells = []
+        for (na, va), (nb, vb) in zip(costs[a].items(), costs[b].items()):
+            d = [x - y for x, y in zip(va, vb)]
+            cells.append(f"{statistics.median(d):+.2f} µs, {sum(x < 0 for x in d)} of {len(d)} ({na} / {nb})")
+        print(f"| {name(a)} − {name(b)} | {' | '.join(cells)} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ruleset", action="append", required=True)
     parser.add_argument("--drop", action="append", default=[])
     parser.add_argument("--flows", type=int, default=60000)
     parser.add_argument("--batches", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=0)
     args = parser.parse_args()
     netns = f"swyra{os.getpid()}"
     try:
         ds.setup(netns)
+        if args.rounds:
+            rounds(netns, args)
+            return
         print("| ruleset | variant | to the fewest endpoints | to the most |")
         print("|---|---|---|---|")
         for path in args.ruleset:

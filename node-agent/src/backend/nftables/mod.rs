@@ -269,7 +269,7 @@ impl Table {
         for m in fragments.values().flat_map(render::endpoint_maps) {
             *endpoint_maps.entry(m).or_default() += 1;
         }
-        render::add_dispatch(&mut base, &endpoint_maps);
+        render::add_dispatch(&mut base, &endpoint_maps, settings);
         let existing_chains: BTreeSet<String> = nft
             .list(self.family, Objects::Chains)
             .map_err(kernel)?
@@ -344,6 +344,7 @@ impl Table {
     fn update_endpoint_maps<'a>(
         &mut self,
         batch: &mut Batch,
+        mark: u32,
         removed: &[Fragment],
         added: impl Iterator<Item = &'a Fragment>,
     ) -> Vec<String> {
@@ -364,8 +365,11 @@ impl Table {
         let mut stale_sets = Vec::new();
         for ((kind, old), new) in render::ENDPOINT_MAP_KINDS.into_iter().zip(before).zip(after) {
             if old != new {
-                let (old, new) = (render::dispatch(kind, &old), render::dispatch(kind, &new));
-                stale_sets.extend(self.update_dispatch(batch, kind, &old, &new));
+                let (old, new) = (
+                    render::dispatch(kind, &old, mark),
+                    render::dispatch(kind, &new, mark),
+                );
+                stale_sets.extend(self.update_dispatch(batch, &old, &new));
             }
         }
         stale_sets
@@ -377,7 +381,6 @@ impl Table {
     fn update_dispatch(
         &mut self,
         batch: &mut Batch,
-        kind: &str,
         old: &render::Dispatch,
         new: &render::Dispatch,
     ) -> Vec<String> {
@@ -401,11 +404,6 @@ impl Table {
                     rewrite.push((&chain.name, &chain.rules));
                 }
             }
-        }
-        let root = render::dnat_chain(kind);
-        if old.root != new.root {
-            batch.flush_chain(root);
-            rewrite.push((root, &new.root));
         }
         for (chain, rules) in rewrite {
             for rule in rules {
@@ -529,7 +527,8 @@ impl Table {
                 batch.add_set(set);
             }
         }
-        let stale_maps = self.update_endpoint_maps(&mut batch, &removed, added.values());
+        let stale_maps =
+            self.update_endpoint_maps(&mut batch, settings.masquerade_mark, &removed, added.values());
         for chain in added.values().flat_map(|f| f.chains.iter()) {
             for rule in &chain.rules {
                 batch.add_rule(&chain.name, rule);
@@ -643,7 +642,8 @@ impl Table {
             .map(|c| c.name.clone())
             .collect();
         for kind in render::ENDPOINT_MAP_KINDS {
-            let dispatch = render::dispatch(kind, &render::counts_of(&self.endpoint_maps, kind));
+            let counts = render::counts_of(&self.endpoint_maps, kind);
+            let dispatch = render::dispatch(kind, &counts, settings.masquerade_mark);
             desired.extend(dispatch.chains.into_iter().map(|c| c.name));
         }
         let table = format!("{} {}", ir::family_name(self.family), ir::TABLE);

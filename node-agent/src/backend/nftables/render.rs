@@ -1,32 +1,28 @@
 //! Pure rendering of the service model into the nftables IR.
 //!
-//! Shape (chosen on measurements): most service ports are pure data. Their destinations
-//! (`daddr . l4proto . dport`, or `l4proto . dport` for NodePorts) are keys of endpoint maps,
-//! one map per endpoint count N, whose slot `0..N` holds one DNAT target; one static rule per N,
-//! `dnat ip to … . numgen random mod N map @ip-endpoints-N`, picks a slot uniformly. Adding a
-//! service or changing its endpoints then only adds and deletes map elements, which the kernel
-//! commits without re-validating the chain graph (a rule or a `goto` element makes it walk every
-//! chain reachable from every base chain: 15–20 ms at 10k service chains).
-//!
-//! A single-endpoint destination is looked up in its map first; any other reaches the rule of
-//! its count through a binary trie over the counts' bits ([`dispatch`]): it is also an element of
-//! the plain set `ip-count-bit-K` for every bit K set in its count, and each trie chain tests one
-//! bit in which the counts in use differ. A new connection makes one set lookup per such bit (at
-//! most 9 for 256 counts) rather than one map lookup per count in use; the trie's chains change
-//! only when the set of counts in use does.
+//! Shape (chosen on measurements): most service ports are pure data. Their endpoints live in
+//! endpoint maps, one map per endpoint count N, keyed by destination (`daddr . l4proto . dport`,
+//! or `l4proto . dport` for NodePorts) and slot `0..N`, each slot one DNAT target. A destination
+//! reaches its map as kube-proxy's reach their service chains: its element in the `service-ips`
+//! (`service-nodeports`) verdict map `goto`s the chain of its endpoint count, shared by every
+//! destination with that count, whose one rule `dnat ip to … . numgen random mod N map
+//! @ip-endpoints-N` picks a slot uniformly (after marking external IPs' and NodePorts' traffic for
+//! masquerade). A new connection so makes one verdict-map lookup and one map lookup, whatever the
+//! counts in use; adding a service or changing its endpoints only adds and deletes elements. A
+//! `goto` element makes the kernel validate the chains its verdict map reaches at commit: here a
+//! count chain of one rule per element (kube-proxy's walk a chain per service and per endpoint).
 //!
 //! Service ports with ClientIP affinity or with `externalTrafficPolicy: Local` external
-//! destinations keep per-service chains dispatched through the `service-ips` and
-//! `service-nodeports` verdict maps: a chain per port cascading `numgen random mod (n-j) 0` rules
-//! that DNAT inline (exactly uniform), plus per-endpoint chains and timeout sets for affinity.
-//! Hairpin traffic is masqueraded through one `hairpin-connections` set.
+//! destinations keep per-service chains dispatched through the same verdict maps: a chain per
+//! port cascading `numgen random mod (n-j) 0` rules that DNAT inline (exactly uniform), plus
+//! per-endpoint chains and timeout sets for affinity. Hairpin traffic is masqueraded through one
+//! `hairpin-connections` set.
 //!
 //! Each family has its own table with the same shape; a [`Snapshot`] holds one family.
 
 use std::{
     borrow::Cow,
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
     sync::Arc,
 };
 
@@ -56,36 +52,25 @@ pub mod sets {
     pub const FIREWALL_IPS: &str = "firewall-ips";
     /// `endpoint . endpoint` for local endpoints: hairpin traffic to masquerade.
     pub const HAIRPIN: &str = "hairpin-connections";
-    /// External and LB IP destinations served from endpoint maps: their traffic is masqueraded.
-    pub const MASQUERADE_IPS: &str = "masquerade-ips";
-    /// NodePorts served from endpoint maps: their traffic is masqueraded.
-    pub const MASQUERADE_NODEPORTS: &str = "masquerade-nodeports";
     /// Endpoint maps of IP destinations, `ip-endpoints-N` for N endpoints.
     pub const IP_ENDPOINTS: &str = "ip-endpoints";
     /// Endpoint maps of NodePorts, `nodeport-endpoints-N` for N endpoints.
     pub const NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
-
-    macro_rules! count_bits {
-        ($kind:literal; $($bit:literal)*) => { [$(concat!($kind, "-count-bit-", $bit)),*] };
-    }
-    /// `ip-count-bit-K`: the IP destinations of endpoint maps whose endpoint count has bit K set
-    /// (read by the dispatch trie, [`super::dispatch`]).
-    pub const IP_COUNT_BITS: [&str; super::COUNT_BITS] =
-        count_bits!("ip"; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23);
-    /// `nodeport-count-bit-K`: the same for NodePorts.
-    pub const NODEPORT_COUNT_BITS: [&str; super::COUNT_BITS] =
-        count_bits!("nodeport"; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23);
 }
 
-/// Bits of an endpoint count the dispatch can tell apart: a service port may have up to 2^24 - 1
-/// endpoints (16.7 million; a cluster holds far fewer), more are cut to that many.
-pub const COUNT_BITS: usize = 24;
+/// The most endpoints one destination is balanced over (2^24 - 1, 16.7 million: a cluster holds
+/// far fewer); more are cut to that many.
+pub const MAX_SLOTS: u32 = (1 << 24) - 1;
 
-/// Chains holding one DNAT rule per endpoint map in use.
+/// The chains of the endpoint counts in use, each reading one endpoint map: `dnat-ips-N`
+/// (ClusterIPs), `dnat-masquerade-ips-N` (external and LoadBalancer IPs, whose traffic is
+/// masqueraded) and `dnat-nodeports-N` (NodePorts, masqueraded too).
 pub mod dnat_chains {
-    /// Reads the `ip-endpoints-N` maps.
+    /// Prefix of the ClusterIPs' count chains.
     pub const IPS: &str = "dnat-ips";
-    /// Reads the `nodeport-endpoints-N` maps.
+    /// Prefix of the external and LoadBalancer IPs' count chains.
+    pub const MASQUERADE_IPS: &str = "dnat-masquerade-ips";
+    /// Prefix of the NodePorts' count chains.
     pub const NODEPORTS: &str = "dnat-nodeports";
 }
 
@@ -217,18 +202,6 @@ fn fixed_sets() -> Vec<SetDef> {
             KeyType::AddrAddr,
             false,
             "local endpoints reaching themselves through a service",
-        ),
-        set_def(
-            MASQUERADE_IPS,
-            KeyType::AddrProtoPort,
-            false,
-            "external and LoadBalancer IP traffic to masquerade",
-        ),
-        set_def(
-            MASQUERADE_NODEPORTS,
-            KeyType::ProtoPort,
-            false,
-            "NodePort traffic to masquerade",
         ),
     ]
 }
@@ -391,8 +364,9 @@ fn cluster_ips_check(settings: &Settings, family: IpFamily) -> Vec<Rule> {
     rules
 }
 
-/// The nat chains that dispatch to the services (verdict maps first, then the endpoint maps'
-/// DNAT chains) and masquerade what was marked.
+/// The nat chains that dispatch to the services through the verdict maps (NodePorts after the
+/// IP destinations) and masquerade what was marked. The endpoint counts' chains are added with
+/// the counts in use ([`add_dispatch`]).
 fn dispatch_chains(settings: &Settings, family: IpFamily, nodeport_match: Vec<Expr>) -> Vec<Chain> {
     use sets::*;
     let mark = settings.masquerade_mark;
@@ -400,36 +374,30 @@ fn dispatch_chains(settings: &Settings, family: IpFamily, nodeport_match: Vec<Ex
         chain("services", services_rules(settings, family, nodeport_match)),
         chain(
             "nodeports",
-            vec![
-                Rule::new(vec![Expr::VmapProtoPort(SERVICE_NODEPORTS.into())]),
-                Rule::new(vec![
-                    Expr::ProtoPortInSet(MASQUERADE_NODEPORTS.into()),
-                    Expr::SetMarkOr(mark),
-                ]),
-                Rule::new(vec![Expr::Verdict(Verdict::Goto(dnat_chains::NODEPORTS.into()))]),
-            ],
+            vec![Rule::new(vec![Expr::VmapProtoPort(SERVICE_NODEPORTS.into())])],
         ),
-        // Filled by `add_dispatch` for the endpoint maps in use.
-        chain(dnat_chains::IPS, Vec::new()),
-        chain(dnat_chains::NODEPORTS, Vec::new()),
         chain(
             "masquerading",
+            // The marked connections first, as kube-proxy orders them: most connections a node
+            // makes to a service are marked, and they skip the hairpin lookup.
             vec![
+                Rule::new(vec![
+                    Expr::MarkSet(mark),
+                    Expr::SetMarkXor(mark),
+                    Expr::Masquerade,
+                ]),
                 Rule::new(vec![
                     Expr::CtStatusDnat,
                     Expr::SaddrDaddrInSet(HAIRPIN.into()),
                     Expr::Masquerade,
                 ]),
-                Rule::new(vec![Expr::MarkUnset(mark), Expr::Verdict(Verdict::Return)]),
-                Rule::new(vec![Expr::SetMarkXor(mark)]),
-                Rule::new(vec![Expr::Masquerade]),
             ],
         ),
     ]
 }
 
-/// `services`: the ClusterIP masquerade mark, the verdict map, the endpoint maps of IP
-/// destinations, and last the NodePorts.
+/// `services`: the ClusterIP masquerade mark, the verdict map of IP destinations, and last the
+/// NodePorts.
 fn services_rules(settings: &Settings, family: IpFamily, nodeport_match: Vec<Expr>) -> Vec<Rule> {
     use sets::*;
     let mark = settings.masquerade_mark;
@@ -452,13 +420,6 @@ fn services_rules(settings: &Settings, family: IpFamily, nodeport_match: Vec<Exp
         );
     }
     rules.push(Rule::new(vec![Expr::VmapDaddrProtoPort(SERVICE_IPS.into())]));
-    rules.push(Rule::new(vec![
-        Expr::DaddrProtoPortInSet(MASQUERADE_IPS.into()),
-        Expr::SetMarkOr(mark),
-    ]));
-    rules.push(Rule::new(vec![Expr::Verdict(Verdict::Jump(
-        dnat_chains::IPS.into(),
-    ))]));
     rules.push(Rule::new(then(
         nodeport_match,
         Expr::Verdict(Verdict::Jump("nodeports".into())),
@@ -466,15 +427,17 @@ fn services_rules(settings: &Settings, family: IpFamily, nodeport_match: Vec<Exp
     rules
 }
 
-/// The [`crate::backend::fast_reject`] rule of `family`, after `matches`.
+/// The [`crate::backend::fast_reject`] rule of `family`, with `matches` after its protocol
+/// match (so that other protocols' connections skip them: a set lookup in `cluster-ips-check`).
 fn fast_rejects(family: IpFamily, matches: Vec<Expr>) -> Vec<Rule> {
     let (protocol, reject) = crate::backend::fast_reject(family);
     let reject = match reject {
         crate::backend::FastReject::TcpReset => Expr::RejectTcpReset,
         crate::backend::FastReject::ProtocolUnreachable => Expr::RejectProtocolUnreachable,
     };
-    let mut exprs = matches;
-    exprs.extend([Expr::L4Proto(protocol), reject]);
+    let mut exprs = vec![Expr::L4Proto(protocol)];
+    exprs.extend(matches);
+    exprs.push(reject);
     vec![Rule::new(exprs)]
 }
 
@@ -511,49 +474,79 @@ fn cascade(name: &ServicePortName, eps: &[&Endpoint], affinity: bool) -> Vec<Rul
     rules
 }
 
-/// Endpoint-map elements for `dest`: slot j of n DNATs to `eps[j]`; and the destination in the
-/// count-bit set of each bit set in n (the dispatch trie's tests).
-fn slots(
-    set: &'static str,
+/// How a destination served from an endpoint map is dispatched: the verdict map holding its
+/// element, the endpoint maps of its kind and the prefix of its count's chain.
+#[derive(Debug, Clone, Copy)]
+struct MapDispatch {
+    verdict_map: &'static str,
+    endpoint_maps: &'static str,
+    chain: &'static str,
+}
+
+/// ClusterIPs.
+const CLUSTER_IP_DISPATCH: MapDispatch = MapDispatch {
+    verdict_map: sets::SERVICE_IPS,
+    endpoint_maps: sets::IP_ENDPOINTS,
+    chain: dnat_chains::IPS,
+};
+/// External and LoadBalancer IPs (externalTrafficPolicy Cluster): masqueraded.
+const EXTERNAL_IP_DISPATCH: MapDispatch = MapDispatch {
+    verdict_map: sets::SERVICE_IPS,
+    endpoint_maps: sets::IP_ENDPOINTS,
+    chain: dnat_chains::MASQUERADE_IPS,
+};
+/// NodePorts (externalTrafficPolicy Cluster): masqueraded.
+const NODEPORT_DISPATCH: MapDispatch = MapDispatch {
+    verdict_map: sets::SERVICE_NODEPORTS,
+    endpoint_maps: sets::NODEPORT_ENDPOINTS,
+    chain: dnat_chains::NODEPORTS,
+};
+
+/// The elements serving `dest` (an `AddrProtoPort` or `ProtoPort` key) from the endpoint map of
+/// its count n: slot j of n DNATs to `eps[j]`, and `dest`'s verdict-map element goes to the
+/// count's chain. Nothing without endpoints.
+fn map_elements(
+    how: MapDispatch,
     comment: &Arc<str>,
     eps: &[&Endpoint],
-    dest: impl Fn(Slot) -> Key,
+    dest: Key,
 ) -> Vec<(&'static str, Element)> {
-    let eps = &eps[..eps.len().min((1 << COUNT_BITS) - 1)];
+    let eps = &eps[..eps.len().min(MAX_SLOTS as usize)];
     let count = eps.len() as u32;
+    let slotted = |index| match &dest {
+        Key::AddrProtoPort(ip, proto, port) => {
+            Some(Key::AddrProtoPortSlot(*ip, *proto, *port, Slot { index, count }))
+        }
+        Key::ProtoPort(proto, port) => Some(Key::ProtoPortSlot(*proto, *port, Slot { index, count })),
+        _ => None,
+    };
     let mut out: Vec<(&'static str, Element)> = (0..count)
         .zip(eps)
-        .map(|(index, ep)| {
-            let key = dest(Slot { index, count });
-            (
-                set,
-                Element {
-                    key,
-                    verdict: None,
-                    dnat: Some((ep.ip, ep.port)),
-                    comment: Some(Arc::clone(comment)),
-                },
-            )
+        .filter_map(|(index, ep)| {
+            let element = Element {
+                key: slotted(index)?,
+                verdict: None,
+                dnat: Some((ep.ip, ep.port)),
+                comment: Some(Arc::clone(comment)),
+            };
+            Some((how.endpoint_maps, element))
         })
         .collect();
-    if let Some(key) = destination(&dest(Slot { index: 0, count })) {
-        let bit_sets = count_bit_sets(set);
-        out.extend((0..COUNT_BITS).filter(|b| count & (1 << b) != 0).map(|b| {
-            let mut e = plain(key.clone());
-            e.comment = Some(Arc::clone(comment));
-            (bit_sets[b], e)
-        }));
+    if !out.is_empty() {
+        let element = Element {
+            key: dest,
+            verdict: Some(Verdict::Goto(count_chain(how.chain, count))),
+            dnat: None,
+            comment: Some(Arc::clone(comment)),
+        };
+        out.push((how.verdict_map, element));
     }
     out
 }
 
-/// The destination of an endpoint-map key (the key without its slot).
-fn destination(key: &Key) -> Option<Key> {
-    match key {
-        Key::AddrProtoPortSlot(ip, proto, port, _) => Some(Key::AddrProtoPort(*ip, *proto, *port)),
-        Key::ProtoPortSlot(proto, port, _) => Some(Key::ProtoPort(*proto, *port)),
-        _ => None,
-    }
+/// The chain of the destinations of `prefix` ([`dnat_chains`]) with `count` endpoints.
+pub fn count_chain(prefix: &str, count: u32) -> String {
+    format!("{prefix}-{count}")
 }
 
 /// Everything one service port contributes, without spare capacity: the backend keeps every
@@ -621,9 +614,8 @@ struct PortRender<'a> {
     has_local: bool,
 }
 
-/// The external destinations of a port: its externalIPs and LB IPs with their map keys.
+/// The external destinations of a port: the map keys of its externalIPs and LB IPs.
 struct ExternalDestinations {
-    ips: Vec<IpAddr>,
     keys: Vec<Key>,
 }
 
@@ -752,10 +744,12 @@ impl<'a> PortRender<'a> {
                 self.element(cluster_key, Verdict::Goto(internal_chain.clone())),
             ));
         } else {
-            frag.elements
-                .extend(slots(sets::IP_ENDPOINTS, &self.comment, internal_eps, |s| {
-                    Key::AddrProtoPortSlot(port.cluster_ip, proto, port.port, s)
-                }));
+            frag.elements.extend(map_elements(
+                CLUSTER_IP_DISPATCH,
+                &self.comment,
+                internal_eps,
+                cluster_key,
+            ));
         }
     }
 
@@ -777,17 +771,13 @@ impl<'a> PortRender<'a> {
 
     fn external_destinations(&self) -> ExternalDestinations {
         let port = self.port;
-        let ips: Vec<IpAddr> = port
+        let keys = port
             .external_ips
             .iter()
             .chain(port.load_balancer_ips.iter())
-            .copied()
-            .collect();
-        let keys = ips
-            .iter()
             .map(|ip| Key::AddrProtoPort(*ip, port.name.protocol, port.port))
             .collect();
-        ExternalDestinations { ips, keys }
+        ExternalDestinations { keys }
     }
 
     /// External destinations without endpoints: blocked, NodePort included.
@@ -863,22 +853,19 @@ impl<'a> PortRender<'a> {
 
     /// externalTrafficPolicy=Cluster: masquerade, then any endpoint from the endpoint maps.
     fn external_endpoint_maps(&self, external: &ExternalDestinations, frag: &mut Fragment) {
-        let (proto, port) = (self.port.name.protocol, self.port.port);
         let eps = &self.cat.cluster;
-        for (ip, key) in external.ips.iter().zip(&external.keys) {
-            frag.elements.push((sets::MASQUERADE_IPS, plain(key.clone())));
-            frag.elements
-                .extend(slots(sets::IP_ENDPOINTS, &self.comment, eps, |s| {
-                    Key::AddrProtoPortSlot(*ip, proto, port, s)
-                }));
+        for key in &external.keys {
+            frag.elements.extend(map_elements(
+                EXTERNAL_IP_DISPATCH,
+                &self.comment,
+                eps,
+                key.clone(),
+            ));
         }
         if let Some(np) = self.port.node_port {
+            let key = Key::ProtoPort(self.port.name.protocol, np);
             frag.elements
-                .push((sets::MASQUERADE_NODEPORTS, plain(Key::ProtoPort(proto, np))));
-            frag.elements
-                .extend(slots(sets::NODEPORT_ENDPOINTS, &self.comment, eps, |s| {
-                    Key::ProtoPortSlot(proto, np, s)
-                }));
+                .extend(map_elements(NODEPORT_DISPATCH, &self.comment, eps, key));
         }
     }
 
@@ -945,118 +932,53 @@ pub fn endpoint_map(kind: &'static str, count: u32) -> SetDef {
     }
 }
 
-/// The chain reading a kind of endpoint maps.
-pub fn dnat_chain(kind: &str) -> &'static str {
-    if kind == sets::NODEPORT_ENDPOINTS {
-        dnat_chains::NODEPORTS
-    } else {
-        dnat_chains::IPS
-    }
-}
-
-/// The rule reading the endpoint map of `kind` with `n` endpoints per destination.
-fn dnat_rule(kind: &'static str, n: u32) -> Rule {
+/// The rule reading the endpoint map of `kind` with `n` endpoints per destination, after marking
+/// the connection for masquerade with `mark` if given.
+fn dnat_rule(kind: &'static str, n: u32, mark: Option<u32>) -> Rule {
     let map = endpoint_map_name(kind, n);
-    Rule::new(vec![if kind == sets::NODEPORT_ENDPOINTS {
+    let mut exprs: Vec<Expr> = mark.map(Expr::SetMarkOr).into_iter().collect();
+    exprs.push(if kind == sets::NODEPORT_ENDPOINTS {
         Expr::DnatProtoPortSlot(n, map)
     } else {
         Expr::DnatDaddrProtoPortSlot(n, map)
-    }])
+    });
+    Rule::new(exprs)
 }
 
-/// The count-bit sets of a kind of endpoint maps.
-fn count_bit_sets(kind: &str) -> &'static [&'static str; COUNT_BITS] {
-    if kind == sets::NODEPORT_ENDPOINTS {
-        &sets::NODEPORT_COUNT_BITS
-    } else {
-        &sets::IP_COUNT_BITS
-    }
-}
-
-/// The definition of count-bit set `bit` of `kind`.
-fn count_bit_set(kind: &str, bit: usize) -> SetDef {
-    let (key, what) = if kind == sets::NODEPORT_ENDPOINTS {
-        (KeyType::ProtoPort, "NodePorts")
-    } else {
-        (KeyType::AddrProtoPort, "IP destinations")
-    };
-    SetDef {
-        name: count_bit_sets(kind)[bit].into(),
-        key,
-        verdict_map: false,
-        timeout_seconds: None,
-        comment: Some(format!("{what} whose endpoint count has bit {bit} set")),
-    }
-}
-
-/// What dispatches the destinations of one kind of endpoint maps to the map of their endpoint
-/// count: the sets it reads, the rules of its root chain ([`dnat_chain`]) and its other chains.
+/// What serves the destinations of one kind of endpoint maps for the endpoint counts in use: the
+/// maps, and the chains of each count that the destinations' verdict-map elements go to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Dispatch {
-    /// The endpoint maps in use and the count-bit sets of their counts' bits.
+    /// The endpoint maps in use.
     pub sets: Vec<SetDef>,
-    /// The root chain's rules.
-    pub root: Vec<Rule>,
-    /// The trie's other chains.
+    /// The counts' chains.
     pub chains: Vec<Chain>,
 }
 
-/// The dispatch of `kind` for the endpoint counts in use: the map of single-endpoint
-/// destinations first, then a binary trie over the bits in which the other counts differ. A chain
-/// tests one such bit (`… @<kind>-count-bit-K goto` the chain of the counts with the bit set) and
-/// falls through to the counts without it; a leaf reads its map.
-/// A new connection makes at most one set lookup per bit (9 for 256 counts) and one map lookup,
-/// instead of one map lookup per count; services still come and go as elements only.
-pub fn dispatch(kind: &'static str, counts: &BTreeSet<u32>) -> Dispatch {
-    let mut d = Dispatch {
-        sets: counts.iter().map(|n| endpoint_map(kind, *n)).collect(),
-        ..Dispatch::default()
-    };
-    let bits = counts.iter().fold(0, |acc, n| acc | n);
-    d.sets.extend(
-        (0..COUNT_BITS)
-            .filter(|b| bits & (1 << b) != 0)
-            .map(|b| count_bit_set(kind, b)),
-    );
-    let counts: Vec<u32> = counts.iter().copied().collect();
-    // Single-endpoint destinations (in most clusters the commonest count) are looked up in their
-    // map before any trie test: one lookup for them (a count-1 destination is the trie's deepest
-    // leaf: one test per bit), one failed lookup more for the others.
-    let trie_counts = match counts.split_first() {
-        Some((1, rest)) if !rest.is_empty() => {
-            d.root.push(dnat_rule(kind, 1));
-            rest
-        }
-        _ => &counts[..],
-    };
-    d.root.extend(trie_node(kind, trie_counts, "", &mut d.chains));
-    d
-}
-
-/// The rules of the trie node over `counts` (reached by the decisions `path`), adding the chains
-/// of its `1` branches to `chains`; its `0` branch follows inline.
-fn trie_node(kind: &'static str, counts: &[u32], path: &str, chains: &mut Vec<Chain>) -> Vec<Rule> {
-    let (any, all) = counts
-        .iter()
-        .fold((0, u32::MAX), |(any, all), n| (any | n, all & n));
-    let differing = any & !all;
-    if counts.len() <= 1 || differing == 0 {
-        return counts.iter().map(|n| dnat_rule(kind, *n)).collect();
-    }
-    let bit = 31 - differing.leading_zeros();
-    let (ones, zeros): (Vec<u32>, Vec<u32>) = counts.iter().partition(|n| *n & (1 << bit) != 0);
-    let ones_name = format!("{}-{path}{bit}h", dnat_chain(kind));
-    let ones_rules = trie_node(kind, &ones, &format!("{path}{bit}h"), chains);
-    chains.push(chain(&ones_name, ones_rules));
-    let set = count_bit_sets(kind)[bit as usize];
-    let test = if kind == sets::NODEPORT_ENDPOINTS {
-        Expr::ProtoPortInSet(set.into())
+/// The dispatch of `kind` for the endpoint `counts` in use, masquerading with `mark`: per count N
+/// the map and, for IP destinations, `dnat-ips-N` (ClusterIPs) and `dnat-masquerade-ips-N`
+/// (external and LoadBalancer IPs), for NodePorts `dnat-nodeports-N`. A new connection makes one
+/// verdict-map lookup (its destination's element) and one map lookup, whatever the counts in use.
+pub fn dispatch(kind: &'static str, counts: &BTreeSet<u32>, mark: u32) -> Dispatch {
+    let prefixes: &[(&str, Option<u32>)] = if kind == sets::NODEPORT_ENDPOINTS {
+        &[(dnat_chains::NODEPORTS, Some(mark))]
     } else {
-        Expr::DaddrProtoPortInSet(set.into())
+        &[
+            (dnat_chains::IPS, None),
+            (dnat_chains::MASQUERADE_IPS, Some(mark)),
+        ]
     };
-    let mut rules = vec![Rule::new(vec![test, Expr::Verdict(Verdict::Goto(ones_name))])];
-    rules.extend(trie_node(kind, &zeros, &format!("{path}{bit}l"), chains));
-    rules
+    Dispatch {
+        sets: counts.iter().map(|n| endpoint_map(kind, *n)).collect(),
+        chains: counts
+            .iter()
+            .flat_map(|n| {
+                prefixes.iter().map(move |(prefix, mark)| {
+                    chain(&count_chain(prefix, *n), vec![dnat_rule(kind, *n, *mark)])
+                })
+            })
+            .collect(),
+    }
 }
 
 /// Endpoint maps in use, and by how many fragments.
@@ -1071,13 +993,10 @@ pub fn counts_of(maps: &EndpointMaps, kind: &str) -> BTreeSet<u32> {
 }
 
 /// Adds the endpoint maps in use and their dispatch to a ruleset built on [`base`].
-pub fn add_dispatch(ruleset: &mut Ruleset, maps: &EndpointMaps) {
+pub fn add_dispatch(ruleset: &mut Ruleset, maps: &EndpointMaps, settings: &Settings) {
     for kind in ENDPOINT_MAP_KINDS {
-        let d = dispatch(kind, &counts_of(maps, kind));
+        let d = dispatch(kind, &counts_of(maps, kind), settings.masquerade_mark);
         ruleset.sets.extend(d.sets);
-        if let Some(chain) = ruleset.chains.iter_mut().find(|c| c.name == dnat_chain(kind)) {
-            chain.rules = d.root;
-        }
         ruleset.chains.extend(d.chains);
     }
 }
@@ -1119,7 +1038,7 @@ pub fn full(snapshot: &Snapshot, settings: &Settings) -> Ruleset {
     for m in fragments.iter().flat_map(endpoint_maps) {
         *maps.entry(m).or_default() += 1;
     }
-    add_dispatch(&mut ruleset, &maps);
+    add_dispatch(&mut ruleset, &maps, settings);
     for frag in &fragments {
         merge(&mut ruleset, frag);
     }

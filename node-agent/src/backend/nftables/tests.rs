@@ -197,10 +197,10 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     assert_eq!(ns.sh(&["nft", "list", "ruleset"]).trim(), "");
 }
 
-/// Adding such a service or changing its endpoints must not make the kernel re-validate the chain
-/// graph: no chains, no rules, no `goto` elements, only keys and DNAT targets.
+/// Such a service needs no chain or rule of its own (adding one, or changing its endpoints, adds
+/// and deletes elements only): its verdict-map elements go to the shared count chains.
 #[test]
-fn services_without_affinity_or_local_external_policy_are_map_elements_only() {
+fn services_without_affinity_or_local_external_policy_have_no_chains_of_their_own() {
     let (dual, settings) = dual_scenario();
     for snap in dual.families() {
         for (name, port) in &snap.services {
@@ -212,8 +212,9 @@ fn services_without_affinity_or_local_external_policy_are_map_elements_only() {
                 .elements
                 .iter()
                 .filter(|(_, e)| matches!(e.verdict, Some(ir::Verdict::Goto(_) | ir::Verdict::Jump(_))));
+            let shared = |target: &str| target == "reject-chain" || target.starts_with("dnat-");
             let jumps: Vec<_> = jumps
-                .filter(|(_, e)| e.verdict != Some(ir::Verdict::Goto("reject-chain".into())))
+                .filter(|(_, e)| !matches!(&e.verdict, Some(ir::Verdict::Goto(t)) if shared(t)))
                 .collect();
             assert_eq!(
                 chained,
@@ -556,84 +557,106 @@ fn kernel_answers_an_element_query_with_the_rendered_targets() {
     assert_eq!(missing, None, "a key that is not in the map");
 }
 
-/// The dispatch over endpoint counts: one count needs no test, nor does count 1 (its map is read
-/// first); every other count is reached through at most one set test per bit in which the counts
-/// other than 1 differ, and each leaf reads exactly its own map.
+/// The dispatch over endpoint counts: per count in use, its map and its chains, each one rule
+/// reading exactly that map (the masquerading ones marking first); nothing for counts not in use.
 #[test]
-fn dispatch_is_a_trie_over_the_bits_the_counts_differ_in() {
-    use render::{dispatch, sets::IP_ENDPOINTS};
-    use std::collections::{BTreeMap, BTreeSet};
-    // The `dnat … mod N map` each chain reaches, walking gotos and fall-throughs: (N, tests made).
-    fn leaves(d: &render::Dispatch) -> BTreeMap<u32, usize> {
-        let chains: BTreeMap<&str, &Vec<ir::Rule>> =
-            d.chains.iter().map(|c| (c.name.as_str(), &c.rules)).collect();
-        let mut out = BTreeMap::new();
-        let mut todo = vec![(&d.root, 0usize)];
-        while let Some((rules, depth)) = todo.pop() {
-            let mut tests = depth;
-            for rule in rules {
-                match rule.exprs.as_slice() {
-                    [
-                        ir::Expr::DaddrProtoPortInSet(_),
-                        ir::Expr::Verdict(ir::Verdict::Goto(c)),
-                    ] => {
-                        tests += 1;
-                        todo.push((chains[c.as_str()], tests));
+fn dispatch_has_a_chain_per_count_and_destination_kind_reading_its_map() {
+    use render::{
+        dispatch,
+        sets::{IP_ENDPOINTS, NODEPORT_ENDPOINTS},
+    };
+    use std::collections::BTreeSet;
+    let mark = 0x4000;
+    for counts in [vec![], vec![1], vec![1, 2, 64], (1..=256).collect::<Vec<u32>>()] {
+        let set: BTreeSet<u32> = counts.iter().copied().collect();
+        for (kind, prefixes) in [
+            (IP_ENDPOINTS, &["dnat-ips", "dnat-masquerade-ips"][..]),
+            (NODEPORT_ENDPOINTS, &["dnat-nodeports"][..]),
+        ] {
+            let d = dispatch(kind, &set, mark);
+            let maps: Vec<&str> = d.sets.iter().map(|s| s.name.as_str()).collect();
+            let want: Vec<String> = counts.iter().map(|n| format!("{kind}-{n}")).collect();
+            assert_eq!(maps, want, "{kind} {counts:?}: one map per count");
+            assert_eq!(d.chains.len(), counts.len() * prefixes.len(), "{kind} {counts:?}");
+            for chain in &d.chains {
+                let (prefix, n) = chain.name.rsplit_once('-').expect("a count suffix");
+                let n: u32 = n.parse().expect("a count");
+                assert!(set.contains(&n) && prefixes.contains(&prefix), "{}", chain.name);
+                let map = format!("{kind}-{n}");
+                let masquerades = prefix != "dnat-ips";
+                let rule = match chain.rules.as_slice() {
+                    [rule] => rule.exprs.as_slice(),
+                    other => panic!("{}: {other:?}", chain.name),
+                };
+                match (masquerades, rule) {
+                    (true, [ir::Expr::SetMarkOr(m), ir::Expr::DnatDaddrProtoPortSlot(k, reads)])
+                    | (true, [ir::Expr::SetMarkOr(m), ir::Expr::DnatProtoPortSlot(k, reads)]) => {
+                        assert_eq!((*m, *k, reads), (mark, n, &map), "{}", chain.name);
                     }
-                    [ir::Expr::DnatDaddrProtoPortSlot(n, map)] => {
-                        assert_eq!(map, &format!("ip-endpoints-{n}"));
-                        assert!(out.insert(*n, tests).is_none(), "count {n} reached twice");
+                    (false, [ir::Expr::DnatDaddrProtoPortSlot(k, reads)]) => {
+                        assert_eq!((*k, reads), (n, &map), "{}", chain.name);
                     }
-                    other => panic!("unexpected rule {other:?}"),
+                    other => panic!("{}: {other:?}", chain.name),
                 }
             }
         }
-        out
     }
-    let cases: &[(&[u32], usize)] = &[
-        (&[], 0),
-        (&[2], 0),
-        (&[1, 2], 0),
-        (&[1, 3], 0),
-        (&[1, 2, 3], 1),
-        (&[2, 3], 1),
-        (&[2, 3, 4, 7], 2),
-        (&[1, 64], 0),
-    ];
-    for (counts, max_tests) in cases {
-        let set: BTreeSet<u32> = counts.iter().copied().collect();
-        let d = dispatch(IP_ENDPOINTS, &set);
-        let reached = leaves(&d);
-        assert_eq!(
-            reached.keys().copied().collect::<BTreeSet<_>>(),
-            set,
-            "{counts:?}"
-        );
-        assert_eq!(
-            reached.values().copied().max().unwrap_or(0),
-            *max_tests,
-            "{counts:?}: {d:?}"
-        );
-        let maps = d
-            .sets
+}
+
+/// Every destination served from an endpoint map has exactly one verdict-map element, which goes
+/// to the chain of its kind and endpoint count; its slots fill that count's map.
+#[test]
+fn map_served_destinations_go_to_their_count_chain() {
+    let (snap, settings) = dual_scenario();
+    for (name, port) in &snap.v4.services {
+        let eps = snap.v4.endpoints.get(name).map(Vec::as_slice).unwrap_or_default();
+        let frag = render::service(port, eps, &settings);
+        let slots: Vec<(&str, u32)> = frag
+            .elements
             .iter()
-            .filter(|s| s.name.starts_with("ip-endpoints-"))
+            .filter_map(|(set, e)| e.key.slot().map(|s| (*set, s.count)))
+            .collect();
+        for (set, e) in &frag.elements {
+            let Some(ir::Verdict::Goto(target)) = &e.verdict else {
+                continue;
+            };
+            let Some((prefix, n)) = target.rsplit_once('-') else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u32>() else {
+                continue; // a service's own chain
+            };
+            let (kind, want_set) = match prefix {
+                "dnat-ips" | "dnat-masquerade-ips" => (render::sets::IP_ENDPOINTS, render::sets::SERVICE_IPS),
+                "dnat-nodeports" => (render::sets::NODEPORT_ENDPOINTS, render::sets::SERVICE_NODEPORTS),
+                _ => continue,
+            };
+            assert_eq!(*set, want_set, "{name}: {e:?}");
+            assert!(
+                slots.contains(&(kind, n)),
+                "{name}: {target} without slots of {kind}-{n}"
+            );
+        }
+        let dispatched = frag
+            .elements
+            .iter()
+            .filter(|(_, e)| matches!(&e.verdict, Some(ir::Verdict::Goto(t)) if t.starts_with("dnat-")))
             .count();
-        assert_eq!(maps, counts.len(), "{counts:?}: one map per count");
+        let destinations: std::collections::BTreeSet<_> = frag
+            .elements
+            .iter()
+            .filter_map(|(_, e)| match &e.key {
+                ir::Key::AddrProtoPortSlot(ip, proto, port, _) => Some(format!("{ip}.{proto:?}.{port}")),
+                ir::Key::ProtoPortSlot(proto, port, _) => Some(format!("{proto:?}.{port}")),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            dispatched,
+            destinations.len(),
+            "{name}: one element per map-served destination"
+        );
     }
-    // 1..=256: count 1 first, then a trie over 2..=256 (nine bits): at most nine tests to any
-    // count, and 254 chains besides the root.
-    let all: BTreeSet<u32> = (1..=256).collect();
-    let d = dispatch(IP_ENDPOINTS, &all);
-    let reached = leaves(&d);
-    assert_eq!(reached.len(), 256);
-    assert_eq!(reached[&1], 0, "count 1 before any test");
-    assert!(matches!(
-        d.root.first().map(|r| r.exprs.as_slice()),
-        Some([ir::Expr::DnatDaddrProtoPortSlot(1, _)])
-    ));
-    assert!(reached.values().all(|t| *t <= 9), "{:?}", reached.values().max());
-    assert_eq!(d.chains.len(), 254);
 }
 
 /// A partial sync that changes which endpoint counts are in use rewrites the dispatch to what a

@@ -713,10 +713,10 @@ pub fn encode_expr(e: &Expr, family: IpFamily) -> Vec<(&'static str, Nla)> {
         }
         Expr::NumgenZero(m) => vec![numgen(1, *m), cmp(true, &[0; 4])],
         Expr::L4Proto(p) => vec![meta_load(1, META_L4PROTO), cmp(true, &[p.number()])],
-        Expr::MarkUnset(m) => vec![
+        Expr::MarkSet(m) => vec![
             meta_load(1, META_MARK),
             bitwise(4, &m.to_ne_bytes(), &[0; 4]),
-            cmp(true, &[0; 4]),
+            cmp(false, &[0; 4]),
         ],
         _ => encode_statement(e, family),
     }

@@ -500,25 +500,17 @@ fn priority_text(base: &BaseChain) -> String {
 }
 
 /// A rule as nft lists it: the `meta l4proto tcp` a `reject with tcp reset` depends on is implied,
-/// so nft leaves it out.
+/// so nft leaves it out (wherever it stands before the reject).
 fn listed_rule(rule: &Rule) -> std::borrow::Cow<'_, Rule> {
-    let implied = |w: &[Expr]| {
-        matches!(
-            w,
-            [Expr::L4Proto(crate::model::Protocol::Tcp), Expr::RejectTcpReset]
-        )
-    };
-    if !rule.exprs.windows(2).any(implied) {
+    let tcp = |e: &Expr| matches!(e, Expr::L4Proto(crate::model::Protocol::Tcp));
+    let Some(reject) = rule.exprs.iter().position(|e| matches!(e, Expr::RejectTcpReset)) else {
         return std::borrow::Cow::Borrowed(rule);
-    }
+    };
+    let Some(dependency) = rule.exprs[..reject].iter().rposition(tcp) else {
+        return std::borrow::Cow::Borrowed(rule);
+    };
     let mut listed = rule.clone();
-    let mut i = 0;
-    while i + 1 < listed.exprs.len() {
-        if implied(&listed.exprs[i..i + 2]) {
-            listed.exprs.remove(i);
-        }
-        i += 1;
-    }
+    listed.exprs.remove(dependency);
     std::borrow::Cow::Owned(listed)
 }
 

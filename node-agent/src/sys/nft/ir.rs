@@ -109,8 +109,8 @@ pub enum Expr {
     NumgenZero(u32),
     /// `meta l4proto PROTO`.
     L4Proto(Protocol),
-    /// `meta mark & MARK == 0`.
-    MarkUnset(u32),
+    /// `meta mark & MARK != 0`.
+    MarkSet(u32),
     /// `meta mark set meta mark | MARK`.
     SetMarkOr(u32),
     /// `meta mark set meta mark ^ MARK`.
@@ -165,7 +165,7 @@ impl Expr {
             Expr::FibDaddrLocal => "fib daddr type local".into(),
             Expr::NumgenZero(m) => format!("numgen random mod {m} 0"),
             Expr::L4Proto(p) => format!("meta l4proto {}", p.as_str()),
-            Expr::MarkUnset(m) => format!("meta mark & {} == 0x00000000", mark_text(*m)),
+            Expr::MarkSet(m) => format!("meta mark & {} != 0x00000000", mark_text(*m)),
             Expr::SetMarkOr(m) => format!("meta mark set meta mark | {}", mark_text(*m)),
             Expr::SetMarkXor(m) => format!("meta mark set meta mark ^ {}", mark_text(*m)),
             Expr::Dnat(a, p) => format!("dnat to {}", addr_port(a, *p)),
