@@ -217,8 +217,8 @@ pub fn serves_localhost_node_ports(settings: &Settings, family: IpFamily) -> boo
 /// The rule of `nat-output` that sends node-local connections to `127.0.0.0/8` through the
 /// NodePort dispatch. Only in the output path: a packet from elsewhere to 127.0.0.1 is never
 /// DNATed (kube-proxy's iptables mode DNATs it in PREROUTING too). Every NodePort is
-/// masqueraded there (the endpoint cannot answer 127.0.0.1): Cluster ones through
-/// `masquerade-nodeports`, Local ones because the source is a local address.
+/// masqueraded there (the endpoint cannot answer 127.0.0.1): Cluster ones by their count's
+/// `dnat-nodeports-N` chain, Local ones because the source is a local address.
 fn localhost_node_ports_rule() -> Rule {
     Rule::new(vec![
         Expr::DaddrIn(loopback(IpFamily::V4), false),

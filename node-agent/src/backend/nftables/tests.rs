@@ -660,7 +660,8 @@ fn map_served_destinations_go_to_their_count_chain() {
 }
 
 /// A partial sync that changes which endpoint counts are in use rewrites the dispatch to what a
-/// full sync would program, through counts that add, deepen, reshape and remove trie levels.
+/// full sync would program, through counts that start and stop being used (their maps and
+/// chains created, and deleted once nothing refers to them).
 #[test]
 fn partial_syncs_through_many_endpoint_counts_match_a_full_sync() {
     let (mut snap, settings) = dual_scenario();
