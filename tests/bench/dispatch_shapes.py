@@ -13,8 +13,10 @@ script creates (and deletes), and each is timed with the same traffic:
             (text and JSON) cannot write that, so here the value passes through `meta mark`
             (which a proxy must not clobber), the same two lookups plus a mark write
   goto      the agent's shape: a verdict-map element per service that `goto`s the chain of its
-            endpoint count, shared by every service of that count (which marks traffic from
-            outside the cluster for masquerade, then DNATs through the count's map)
+            endpoint count, shared by every service of that count, which DNATs through the
+            count's map (here it first marks traffic from outside the cluster for masquerade, as
+            this script's kp chains do; the agent marks it before, through `@cluster-ips`, as
+            kube-proxy v1.36+ does)
   kp        kube-proxy's: a verdict-map element per service, `goto` its own chain, whose
             `numgen ... vmap` picks an endpoint chain that DNATs
 
