@@ -753,6 +753,10 @@ fn await_all_rules(
                 return Some(None);
             }
             let Some(text) = listing() else {
+                // No table yet: it can only come with a new generation, so this one is not
+                // listed again (a failed listing every 10 ms ran two processes each time, 0.4
+                // of a core taken from the proxy being timed on 2 cores).
+                listed = Some((generation, Instant::now()));
                 return Some(None);
             };
             if generations.latest().map(|g| g.0) != Some(generation) {
@@ -1037,6 +1041,7 @@ pub async fn run_proxy(
         Running::Ours(agent) => agent_timeline(&agent.log_text()),
         Running::Kp(_) => None,
     };
+    keep_log(&running, proxy);
     drop(running);
     drop(cluster);
     delete_added(client, model).await?;
@@ -1059,6 +1064,29 @@ pub async fn run_proxy(
         first_packet,
         timeline,
     })
+}
+
+/// Names the directory where each run's proxy log is copied (for reading a start-up's timeline
+/// afterwards); unset, logs go with the control plane's directory.
+pub const KEEP_LOGS_ENV: &str = "SWITCHYARD_BENCH_LOGS";
+
+/// Copies the proxy's log to [`KEEP_LOGS_ENV`]'s directory, as `<label>-<unix ms>.log`; a
+/// failure to copy is printed and the run goes on (the log is a by-product, not a measurement).
+fn keep_log(running: &Running, proxy: Proxy) {
+    let Some(dir) = std::env::var_os(KEEP_LOGS_ENV) else {
+        return;
+    };
+    let text = match running {
+        Running::Ours(a) => a.log_text(),
+        Running::Kp(k) => k.log_text(),
+    };
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let path = std::path::Path::new(&dir).join(format!("{}-{stamp}.log", proxy.label().replace(' ', "-")));
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text)) {
+        eprintln!("keeping the proxy's log at {}: {e}", path.display());
+    }
 }
 
 /// Our agent's start-up by its own log: (Services listed, EndpointSlices listed, first full sync),

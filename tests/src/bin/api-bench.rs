@@ -14,7 +14,8 @@
 //! proxy runs in a fresh node namespace against one apiserver per row, the proxies interleaved
 //! per repetition; cells are medians over the repetitions (each run's first-packet cells are also
 //! printed, for pairing runs). After loading a row it prints the apiserver's own time to serve both
-//! start-up lists ([`scale::lists`]). Ctrl-C or SIGTERM stops it and removes what it started. Run
+//! start-up lists ([`scale::lists`]). With `SWITCHYARD_BENCH_LOGS=<dir>` each run's proxy log is
+//! copied there. Ctrl-C or SIGTERM stops it and removes what it started. Run
 //! as root, with the workspace's
 //! binaries built in the same profile (`cargo build --release --bins` for `--release`).
 
