@@ -4,6 +4,7 @@
 //! [`Snapshot`] per IP family, as kube-proxy runs one proxier per family.
 
 pub mod convert;
+pub mod list_stream;
 pub mod tracker;
 pub mod wire;
 

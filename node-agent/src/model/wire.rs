@@ -1,6 +1,6 @@
 //! The apiserver's protobuf encoding of Services and EndpointSlices (what client-go's informers in
-//! kube-proxy read), decoded without IO: list responses, watch-stream frames and the failure
-//! statuses in either. Decoded objects become the `k8s-openapi` types the rest of the model reads,
+//! kube-proxy read), decoded without IO: objects, watch-stream frames and the failure statuses in
+//! either (list responses: [`super::list_stream`], as they arrive). Decoded objects become the `k8s-openapi` types the rest of the model reads,
 //! carrying only the fields a proxy reads ([`service`], [`endpoint_slice`]); managed fields,
 //! owner references and the like are never built.
 //!
@@ -73,17 +73,6 @@ pub fn unwrap_object(what: &'static str, bytes: &[u8]) -> Result<Vec<u8>> {
         ));
     }
     Ok(unknown.raw.unwrap_or_default())
-}
-
-/// A list's items and where it leaves off.
-#[derive(Debug)]
-pub struct ListPage<T> {
-    /// The items, in the order served.
-    pub items: Vec<T>,
-    /// The list's resource version (a watch starts from it).
-    pub resource_version: String,
-    /// The token of the next page; None when this was the last.
-    pub continue_token: Option<String>,
 }
 
 /// A failure status from the apiserver (an error response's body or a watch `ERROR` event).
@@ -169,23 +158,11 @@ pub trait WireKind: k8s_openapi::Metadata<Ty = ObjectMeta> + Sized {
     const WHAT: &'static str;
     /// The collection's path (all namespaces).
     const PATH: &'static str;
-    /// Decodes one object (already unwrapped from its envelope).
+    /// Decodes one object (already unwrapped from its envelope, or a list's item).
     fn decode_object(raw: &[u8]) -> Result<Self>;
-    /// Decodes one list (already unwrapped from its envelope).
-    fn decode_list(raw: &[u8]) -> Result<ListPage<Self>>;
     /// The object's resource version.
     fn resource_version(&self) -> Option<&str> {
         self.metadata().resource_version.as_deref()
-    }
-}
-
-/// The page's items converted with `convert`, and its list metadata.
-fn page<P, T>(items: Vec<P>, meta: Option<pb_meta::ListMeta>, convert: fn(P) -> T) -> ListPage<T> {
-    let meta = meta.unwrap_or_default();
-    ListPage {
-        items: items.into_iter().map(convert).collect(),
-        resource_version: meta.resource_version.unwrap_or_default(),
-        continue_token: meta.r#continue.filter(|c| !c.is_empty()),
     }
 }
 
@@ -197,10 +174,6 @@ impl WireKind for core::Service {
             .map(service)
             .map_err(|e| decode_error(Self::WHAT, e))
     }
-    fn decode_list(raw: &[u8]) -> Result<ListPage<Self>> {
-        let list = pb_core::ServiceList::decode(raw).map_err(|e| decode_error("service list", e))?;
-        Ok(page(list.items, list.metadata, service))
-    }
 }
 
 impl WireKind for EndpointSlice {
@@ -210,11 +183,6 @@ impl WireKind for EndpointSlice {
         pb_discovery::EndpointSlice::decode(raw)
             .map(endpoint_slice)
             .map_err(|e| decode_error(Self::WHAT, e))
-    }
-    fn decode_list(raw: &[u8]) -> Result<ListPage<Self>> {
-        let list = pb_discovery::EndpointSliceList::decode(raw)
-            .map_err(|e| decode_error("endpointslice list", e))?;
-        Ok(page(list.items, list.metadata, endpoint_slice))
     }
 }
 

@@ -109,44 +109,33 @@ fn only_the_protobuf_envelope_is_unwrapped() {
 }
 
 #[test]
-fn a_list_page_gives_items_version_and_continue_token() {
+fn list_items_carry_only_what_a_proxy_reads() {
     let list = pb_core::ServiceList {
         metadata: Some(pb_meta::ListMeta {
             resource_version: Some("42".to_owned()),
-            r#continue: Some("next".to_owned()),
             ..Default::default()
         }),
-        items: vec![
-            pb_core::Service {
-                metadata: meta("a", "1", &[]),
-                ..Default::default()
-            },
-            pb_core::Service {
-                metadata: meta("b", "2", &[]),
-                ..Default::default()
-            },
-        ],
+        items: vec![pb_core::Service {
+            metadata: meta("a", "1", &[("app", "a")]),
+            ..Default::default()
+        }],
     };
-    let page =
-        core::Service::decode_list(&unwrap_object("list", &whole(&list)).expect("envelope")).expect("a list");
-    let names: Vec<_> = page.items.iter().map(|s| s.metadata.name.as_deref()).collect();
-    assert_eq!(names, [Some("a"), Some("b")]);
-    assert_eq!(page.resource_version, "42");
-    assert_eq!(page.continue_token.as_deref(), Some("next"));
+    let mut stream = crate::model::list_stream::ListStream::<core::Service>::default();
+    stream.push(&whole(&list));
+    let mut items = Vec::new();
+    while let Some(part) = stream.next_part().expect("a list") {
+        if let crate::model::list_stream::ListPart::Item(s) = part {
+            items.push(s);
+        }
+    }
+    stream.finish().expect("whole");
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0].metadata.name.as_deref(), Some("a"));
+    assert_eq!(items[0].metadata.resource_version.as_deref(), Some("1"));
     assert!(
-        page.items[0].metadata.managed_fields.is_none(),
+        items[0].metadata.managed_fields.is_none(),
         "managed fields are never built"
     );
-    let last = pb_core::ServiceList {
-        metadata: Some(pb_meta::ListMeta {
-            resource_version: Some("43".to_owned()),
-            r#continue: Some(String::new()),
-            ..Default::default()
-        }),
-        items: Vec::new(),
-    };
-    let page = core::Service::decode_list(&last.encode_to_vec()).expect("a list");
-    assert_eq!(page.continue_token, None, "an empty token ends the list");
 }
 
 #[test]

@@ -16,7 +16,10 @@ use kube::{Client, client::Body, runtime::watcher};
 
 use crate::{
     Error, Result,
-    model::wire::{self, Frames, WatchEvent, WireKind},
+    model::{
+        list_stream::{ListPart, ListStream},
+        wire::{self, Frames, WatchEvent, WireKind},
+    },
 };
 
 /// How long the apiserver keeps one watch open (kube-runtime's watcher asks for the same).
@@ -63,7 +66,8 @@ pub(super) async fn step<K: WireKind>(
     }
 }
 
-/// Lists every object of `K` in pages; returns the list's resource version.
+/// Lists every object of `K` in pages; returns the list's resource version. Each page is decoded
+/// as its bytes arrive ([`ListStream`]), its items handed out one by one.
 async fn list<K: WireKind>(
     client: &Client,
     list_page: u32,
@@ -78,20 +82,42 @@ async fn list<K: WireKind>(
             query.push_str(&urlencode(token));
         }
         let action = || format!("listing {}s", K::WHAT);
-        let body = read_all(client, &query, &action).await?;
-        let page = K::decode_list(&wire::unwrap_object(K::WHAT, &body)?)?;
-        drop(body);
-        for item in page.items {
-            emit(watcher::Event::InitApply(item));
-        }
-        match page.continue_token {
+        let (version, next) = list_page_streamed(client, &query, &action, emit).await?;
+        match next {
             Some(token) => continue_token = Some(token),
             None => {
                 emit(watcher::Event::InitDone);
-                return Ok(page.resource_version);
+                return Ok(version);
             }
         }
     }
+}
+
+/// One page of a list, its items emitted as they are decoded; returns the list's resource version
+/// and the next page's token.
+async fn list_page_streamed<K: WireKind>(
+    client: &Client,
+    path_and_query: &str,
+    action: &impl Fn() -> String,
+    emit: &mut impl FnMut(watcher::Event<K>),
+) -> Result<(String, Option<String>)> {
+    let mut body = open(client, path_and_query, wire::PROTOBUF, action).await?;
+    let mut stream = ListStream::<K>::default();
+    let mut meta = None;
+    while let Some(chunk) = next_chunk(&mut body, action).await? {
+        stream.push(&chunk);
+        while let Some(part) = stream.next_part()? {
+            match part {
+                ListPart::Item(item) => emit(watcher::Event::InitApply(item)),
+                ListPart::Meta {
+                    resource_version,
+                    continue_token,
+                } => meta = Some((resource_version, continue_token)),
+            }
+        }
+    }
+    stream.finish()?;
+    meta.ok_or_else(|| stream_error(action, "the list has no metadata"))
 }
 
 /// Watches `K` from `version` until the apiserver ends the watch; returns where to go on.
@@ -169,12 +195,6 @@ async fn open(
         message: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
     });
     Err(status_error(action(), failure))
-}
-
-/// The whole protobuf response to GET `path_and_query`.
-async fn read_all(client: &Client, path_and_query: &str, action: &impl Fn() -> String) -> Result<Vec<u8>> {
-    let body = open(client, path_and_query, wire::PROTOBUF, action).await?;
-    collect(body, action).await
 }
 
 async fn collect(mut body: Body, action: &impl Fn() -> String) -> Result<Vec<u8>> {
