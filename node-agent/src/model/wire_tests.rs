@@ -319,7 +319,8 @@ fn a_service_in_protobuf_programs_what_it_does_in_json() {
         ),
     ];
     for (from_json, pb) in cases {
-        let from_pb = service(pb);
+        // Encoded in full (managed fields and all) and decoded as the agent reads it.
+        let from_pb = core::Service::decode_object(&pb.encode_to_vec()).expect("a Service");
         assert_eq!(
             ServiceEntry::of(&from_pb),
             ServiceEntry::of(&from_json),
@@ -403,7 +404,7 @@ fn a_slice_in_protobuf_programs_what_it_does_in_json() {
             },
         ],
     };
-    let from_pb = endpoint_slice(pb);
+    let from_pb = EndpointSlice::decode_object(&pb.encode_to_vec()).expect("an EndpointSlice");
     let entry = SliceEntry::of(&from_pb).expect("a tracked slice");
     assert_eq!(Some(&entry), SliceEntry::of(&from_json).as_ref());
     assert_eq!(
