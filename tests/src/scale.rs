@@ -1142,8 +1142,8 @@ mod tests {
 
     #[test]
     fn the_agent_timeline_is_read_from_plain_and_coloured_logs() {
-        let log = "2026-12-04T21:00:00.1Z  INFO switchyard_agent::runtime::intake: listed watch=\"endpointslice\" tracked=5000 millis=2100\n\
-                   2026-12-04T21:00:00.2Z  INFO switchyard_agent::runtime::intake: listed watch=\"service\" tracked=5000 millis=900\n\
+        let log = "2026-12-04T21:00:00.1Z  INFO switchyard_agent::runtime::intake: listed watch=\"endpointslice\" listed=5000 millis=2100\n\
+                   2026-12-04T21:00:00.2Z  INFO switchyard_agent::runtime::intake: listed watch=\"service\" listed=5000 millis=900\n\
                    2026-12-04T21:00:01.0Z  INFO switchyard_agent::runtime::sync: full sync services=5000 objects=9 millis=350\n\
                    2026-12-04T21:00:09.0Z  INFO switchyard_agent::runtime::sync: full sync services=5000 objects=9 millis=999\n";
         assert_eq!(agent_timeline(log), Some((900.0, 2100.0, 350.0)));

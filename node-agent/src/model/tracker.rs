@@ -312,6 +312,53 @@ impl Tracker {
         self.slices_synced = true;
     }
 
+    /// Whether Services have been listed whole once. Until then nothing reads them (nothing is
+    /// programmed before both lists are in), so the first list goes straight in
+    /// ([`Tracker::put_first_listed_service`]) while it arrives, instead of all at once after it.
+    pub fn services_listed(&self) -> bool {
+        self.services_synced
+    }
+
+    /// Whether EndpointSlices have been listed whole once ([`Tracker::services_listed`]).
+    pub fn slices_listed(&self) -> bool {
+        self.slices_synced
+    }
+
+    /// One Service of the first list, as it arrives (before [`Tracker::services_listed`]).
+    pub fn put_first_listed_service(&mut self, entry: ServiceEntry) {
+        self.put_service(entry);
+    }
+
+    /// One EndpointSlice of the first list, as it arrives (before [`Tracker::slices_listed`]).
+    pub fn put_first_listed_slice(&mut self, entry: SliceEntry) {
+        self.put_slice(entry);
+    }
+
+    /// A first list of Services starts (again: one that failed part-way left some in).
+    pub fn restart_first_service_list(&mut self) {
+        for name in std::mem::take(&mut self.services).into_keys() {
+            self.mark(name);
+        }
+    }
+
+    /// A first list of EndpointSlices starts (again: one that failed part-way left some in).
+    pub fn restart_first_slice_list(&mut self) {
+        self.slices_of.clear();
+        for (_, (service, _)) in std::mem::take(&mut self.slices) {
+            self.mark(service);
+        }
+    }
+
+    /// The first list of Services is whole.
+    pub fn first_service_list_done(&mut self) {
+        self.services_synced = true;
+    }
+
+    /// The first list of EndpointSlices is whole.
+    pub fn first_slice_list_done(&mut self) {
+        self.slices_synced = true;
+    }
+
     /// Both initial lists have arrived: programming before that would delete live services.
     pub fn synced(&self) -> bool {
         self.services_synced && self.slices_synced
