@@ -303,11 +303,15 @@ impl Running {
         }
     }
 
-    fn log_tail(&self) -> String {
-        let text = match self {
+    fn log_text(&self) -> String {
+        match self {
             Running::Ours(a) => a.log_text(),
             Running::Kp(k) => k.log_text(),
-        };
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = self.log_text();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
@@ -1076,10 +1080,7 @@ fn keep_log(running: &Running, proxy: Proxy) {
     let Some(dir) = std::env::var_os(KEEP_LOGS_ENV) else {
         return;
     };
-    let text = match running {
-        Running::Ours(a) => a.log_text(),
-        Running::Kp(k) => k.log_text(),
-    };
+    let text = running.log_text();
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());

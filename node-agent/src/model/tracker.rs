@@ -314,7 +314,7 @@ impl Tracker {
 
     /// Whether Services have been listed whole once. Until then nothing reads them (nothing is
     /// programmed before both lists are in), so the first list goes straight in
-    /// ([`Tracker::put_first_listed_service`]) while it arrives, instead of all at once after it.
+    /// ([`Tracker::apply_service`]) while it arrives, instead of all at once after it.
     pub fn services_listed(&self) -> bool {
         self.services_synced
     }
@@ -322,16 +322,6 @@ impl Tracker {
     /// Whether EndpointSlices have been listed whole once ([`Tracker::services_listed`]).
     pub fn slices_listed(&self) -> bool {
         self.slices_synced
-    }
-
-    /// One Service of the first list, as it arrives (before [`Tracker::services_listed`]).
-    pub fn put_first_listed_service(&mut self, entry: ServiceEntry) {
-        self.put_service(entry);
-    }
-
-    /// One EndpointSlice of the first list, as it arrives (before [`Tracker::slices_listed`]).
-    pub fn put_first_listed_slice(&mut self, entry: SliceEntry) {
-        self.put_slice(entry);
     }
 
     /// A first list of Services starts (again: one that failed part-way left some in).

@@ -215,7 +215,7 @@ fn non_empty<T>(v: Vec<T>) -> Option<Vec<T>> {
 /// others without building them — managed fields above all, often most of an object's bytes
 /// (at 10k Services the decoding of both start-up lists spent a fifth of its samples in them).
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct ProxyMeta {
+struct ProxyMeta {
     #[prost(string, optional, tag = "1")]
     name: Option<String>,
     #[prost(string, optional, tag = "3")]
@@ -230,7 +230,7 @@ pub(crate) struct ProxyMeta {
 
 /// `core/v1.Service` with [`ProxyMeta`] (tags as in `k8s-pb`).
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct ProxyService {
+struct ProxyService {
     #[prost(message, optional, tag = "1")]
     metadata: Option<ProxyMeta>,
     #[prost(message, optional, tag = "2")]
@@ -241,7 +241,7 @@ pub(crate) struct ProxyService {
 
 /// `discovery/v1.EndpointSlice` with [`ProxyMeta`] (tags as in `k8s-pb`).
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct ProxyEndpointSlice {
+struct ProxyEndpointSlice {
     #[prost(message, optional, tag = "1")]
     metadata: Option<ProxyMeta>,
     #[prost(message, repeated, tag = "2")]
@@ -266,7 +266,7 @@ fn metadata(meta: Option<ProxyMeta>) -> ObjectMeta {
 }
 
 /// A Service with the fields a proxy reads (`model::convert::service_ports`).
-pub(crate) fn service(svc: ProxyService) -> core::Service {
+fn service(svc: ProxyService) -> core::Service {
     core::Service {
         metadata: metadata(svc.metadata),
         spec: svc.spec.map(service_spec),
@@ -325,7 +325,7 @@ fn service_spec(spec: pb_core::ServiceSpec) -> core::ServiceSpec {
 }
 
 /// An EndpointSlice with the fields a proxy reads (`model::convert::slice_endpoints`).
-pub(crate) fn endpoint_slice(slice: ProxyEndpointSlice) -> EndpointSlice {
+fn endpoint_slice(slice: ProxyEndpointSlice) -> EndpointSlice {
     EndpointSlice {
         metadata: metadata(slice.metadata),
         address_type: slice.address_type.unwrap_or_default(),
