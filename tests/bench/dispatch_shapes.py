@@ -22,8 +22,8 @@ script creates (and deletes), and each is timed with the same traffic:
 
 Traffic: TCP SYNs from a raw socket, each from a new source port (a new conntrack flow runs the
 nat hooks), to the ClusterIPs of services with the given endpoint count; the endpoints' range is
-routed to a veth whose peer is down (drops at once). The figure is the sending thread's system
-CPU per SYN (median of the batches; conntrack flushed before each; every flow must have been
+routed to a veth whose peer is down (drops at once). The figure is the sending thread's CPU
+(user + system, its exact clock) per SYN (median of the batches; conntrack flushed before each; every flow must have been
 DNATed, none without rules). Only the dispatch and DNAT
 differ between shapes; the agent's and kube-proxy's whole rulesets are compared by
 `api-bench --first-packet`.
@@ -39,7 +39,6 @@ Usage (root): python3 tests/bench/dispatch_shapes.py [--services 1000] [--counts
 import argparse
 import ctypes
 import os
-import resource
 import socket
 import statistics
 import struct
@@ -196,8 +195,8 @@ def syn(dst, sport):
     return ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:] + tcp
 
 
-def sys_us_per_syn(netns, targets, flows, batches, dnat=True):
-    """Median system CPU µs per SYN to `targets`, sent from a thread inside `netns`; fails unless
+def cpu_us_per_syn(netns, targets, flows, batches, dnat=True):
+    """Median CPU µs (the sending thread's, user + system) per SYN to `targets`, sent from a thread inside `netns`; fails unless
     every flow of the last batch was DNATed (`dnat`) or none was."""
     result = []
     thread = threading.Thread(target=lambda: result.append(send_batches(netns, targets, flows, batches)))
@@ -223,10 +222,13 @@ def send_batches(netns, targets, flows, batches):
     costs = []
     for _ in range(batches):
         subprocess.run(["conntrack", "-F"], capture_output=True, check=False)
-        before = resource.getrusage(resource.RUSAGE_THREAD).ru_stime
+        # The thread's CPU clock is the scheduler's exact runtime; getrusage's system time is that
+        # runtime split by sampled ticks. The Python loop's user time is the same for every
+        # ruleset, so differences between rulesets are the rules' cost.
+        before = time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID)
         for packet, dst in packets:
             sock.sendto(packet, (dst, 0))
-        costs.append((resource.getrusage(resource.RUSAGE_THREAD).ru_stime - before) / flows * 1e6)
+        costs.append((time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID) - before) / flows * 1e6)
     sock.close()
     # The last batch's flows that were DNATed (a child forked here inherits this namespace).
     listing = subprocess.run(["conntrack", "-L", "-p", "tcp", "--dst-nat"], capture_output=True, text=True, check=True)
@@ -268,7 +270,7 @@ def first_packets(netns, args):
                 in_ns(netns, "nft", "-f", "-", stdin=ruleset(shape, args.services, args.counts))
             for t in targets:
                 ips = [cluster_ip(i) for i in range(args.services) if count_of(i, args.counts) == t]
-                rows[t][shape].append(sys_us_per_syn(netns, ips, args.flows, args.batches, shape != "none"))
+                rows[t][shape].append(cpu_us_per_syn(netns, ips, args.flows, args.batches, shape != "none"))
     return rows
 
 
@@ -330,7 +332,7 @@ def main():
     try:
         setup(netns)
         rows = first_packets(netns, args)
-        print(f"\n{args.services} services with 1..{args.counts} endpoints, system CPU µs per new-flow SYN")
+        print(f"\n{args.services} services with 1..{args.counts} endpoints, CPU µs (the sending thread's) per new-flow SYN")
         print("(median of the batches; two rounds, shapes interleaved)\n")
         print("| to a service with | no rules | " + " | ".join(SHAPES) + " |")
         print("|---|---|" + "---|" * len(SHAPES))

@@ -5,22 +5,25 @@
 script says where the difference goes. Give it `nft list ruleset` dumps (e.g. taken from
 api-bench's node namespaces while it measures) and it loads each into a network namespace it
 creates (and deletes), sends new-flow SYNs (the traffic of `dispatch_shapes.py`) to ClusterIPs
-of the Services with the fewest and the most endpoints, and prints system CPU µs per SYN for the
+of the Services with the fewest and the most endpoints, and prints CPU µs (the sending thread's) per SYN for the
 whole ruleset and for the ruleset without each rule named by `--drop` (a substring of the rule).
 
-With `--rounds N` it compares whole rulesets instead: each round loads every ruleset in turn
-(order rotated per round, so that no ruleset always follows the same one) and times it, and the
-table gives each ruleset's median and, per pair, the median of the per-round differences and in
-how many rounds the first was cheaper — on a machine whose cost per SYN drifts by more than the
-differences asked about, only paired rounds can tell them apart.
+With `--rounds N` it compares whole rulesets instead: each ruleset is loaded once into a
+namespace of its own, and each round times one measurement in every namespace in turn (order
+rotated per round, so that no ruleset always follows the same one); the table gives each
+ruleset's median and, per pair, the median of the per-round differences with its
+distribution-free 99% confidence interval and in how many rounds the first was cheaper — on a
+machine whose cost per SYN drifts by more than the differences asked about, only paired rounds
+seconds apart can tell them apart.
 
 Usage (root): python3 tests/bench/ruleset_ablation.py --ruleset ours.nft --ruleset kp.nft
               [--drop '@cluster-ips' --drop '@hairpin-connections' ...] [--flows 60000]
-              [--rounds 16 --flows 30000 --batches 5]
+              [--rounds 200 --flows 10000 --batches 1] [--sender rust|python]
 """
 
 import argparse
 import itertools
+import math
 import os
 import re
 import statistics
@@ -72,36 +75,86 @@ def drop_rule(text, needle):
     return "\n".join(out) + "\n"
 
 
+SYN_COST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "target", "release", "syn-cost")
+
+
+def cost(netns, ips, args, dnat=True):
+    """CPU µs per SYN to `ips` in `netns`: from Python's own loop (`--sender python`) or from
+    `syn-cost` (`--sender rust`: `cargo build --release -p switchyard-e2e --bin syn-cost`), whose
+    own CPU per SYN is a fraction of Python's and steadier."""
+    if args.sender == "python":
+        return ds.cpu_us_per_syn(netns, ips, args.flows, args.batches, dnat)
+    cmd = [SYN_COST, "--netns", netns, "--src", ds.SOURCE, "--flows", str(args.flows)]
+    out = subprocess.run(
+        cmd + ["--batches", str(args.batches), *ips], capture_output=True, text=True, check=True
+    ).stdout.split()
+    us, dnated = float(out[0]), int(out[1])
+    if dnated != (args.flows if dnat else 0):
+        raise RuntimeError(f"{dnated} of {args.flows} flows were DNATed, expected {args.flows if dnat else 0}")
+    return us
+
+
 def measure(netns, text, tg, args):
     ds.in_ns(netns, "nft", "flush", "ruleset")
     if text:
         ds.in_ns(netns, "nft", "-f", "-", stdin=text)
-    return {n: ds.sys_us_per_syn(netns, ips, args.flows, args.batches, bool(text)) for n, ips in tg.items()}
+    return {n: cost(netns, ips, args, bool(text)) for n, ips in tg.items()}
 
 
-def rounds(netns, args):
-    """Whole rulesets, interleaved over `args.rounds` rounds: medians and paired differences."""
+def median_ci(d, alpha=0.01):
+    """Distribution-free confidence interval (1 − `alpha`) of the median of `d`: the order
+    statistics k and n − k + 1, k the largest with P(Binomial(n, ½) < k) ≤ alpha / 2; None when
+    there are too few values for it."""
+    n, s = len(d), sorted(d)
+    below, k = 0.0, 0
+    while below + math.comb(n, k) / 2**n <= alpha / 2:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (s[k - 1], s[n - k]) if k else None
+
+
+def rounds(args):
+    """Whole rulesets, interleaved over `args.rounds` rounds: medians and paired differences.
+
+    Each ruleset is loaded once, into a namespace of its own (set up alike); each round sends one
+    measurement to each namespace in turn (order rotated), so that the paired rounds are
+    seconds apart and the machine's drift cancels out of their differences."""
     texts = {p: open(p, encoding="utf-8").read() for p in args.ruleset}
     tgs = {p: targets(t) for p, t in texts.items()}
+    spaces = {p: f"swyra{os.getpid()}-{i}" for i, p in enumerate(args.ruleset)}
     costs = {p: {n: [] for n in tgs[p]} for p in args.ruleset}
-    for r in range(args.rounds):
-        k = r % len(args.ruleset)
-        for p in args.ruleset[k:] + args.ruleset[:k]:
-            for n, c in measure(netns, texts[p], tgs[p], args).items():
-                costs[p][n].append(c)
+    try:
+        for p, netns in spaces.items():
+            ds.setup(netns)
+            ds.in_ns(netns, "nft", "-f", "-", stdin=texts[p])
+        for r in range(args.rounds):
+            k = r % len(args.ruleset)
+            for p in args.ruleset[k:] + args.ruleset[:k]:
+                for n, ips in tgs[p].items():
+                    costs[p][n].append(cost(spaces[p], ips, args))
+    finally:
+        for netns in spaces.values():
+            subprocess.run(["ip", "netns", "del", netns], check=False)
     name = os.path.basename
     print(f"| ruleset | to the fewest endpoints (median of {args.rounds}) | to the most |")
     print("|---|---|---|")
     for p, by_count in costs.items():
         cells = " | ".join(f"{statistics.median(v):.2f} ({n})" for n, v in by_count.items())
         print(f"| {name(p)} | {cells} |")
-    print("\n| pair (first − second) | fewest endpoints: median difference, rounds first cheaper | most |")
+    print(
+        "\n| pair (first − second) | fewest endpoints: median difference [99% CI], rounds first "
+        "cheaper | most |"
+    )
     print("|---|---|---|")
     for a, b in itertools.combinations(args.ruleset, 2):
         cells = []
         for (na, va), (nb, vb) in zip(costs[a].items(), costs[b].items()):
             d = [x - y for x, y in zip(va, vb)]
-            cells.append(f"{statistics.median(d):+.2f} µs, {sum(x < 0 for x in d)} of {len(d)} ({na} / {nb})")
+            ci = median_ci(d)
+            ci_text = f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "[too few rounds]"
+            cells.append(
+                f"{statistics.median(d):+.2f} µs {ci_text}, {sum(x < 0 for x in d)} of {len(d)} ({na} / {nb})"
+            )
         print(f"| {name(a)} − {name(b)} | {' | '.join(cells)} |")
 
 
@@ -112,13 +165,14 @@ def main():
     parser.add_argument("--flows", type=int, default=60000)
     parser.add_argument("--batches", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--sender", choices=("rust", "python"), default="rust")
     args = parser.parse_args()
+    if args.rounds:
+        rounds(args)
+        return
     netns = f"swyra{os.getpid()}"
     try:
         ds.setup(netns)
-        if args.rounds:
-            rounds(netns, args)
-            return
         print("| ruleset | variant | to the fewest endpoints | to the most |")
         print("|---|---|---|---|")
         for path in args.ruleset:
