@@ -55,6 +55,9 @@ struct Table {
     elements: ElementIndex,
     /// Endpoint maps in the kernel, with how many fragments fill them.
     endpoint_maps: EndpointMaps,
+    /// Fragments with `firewall-ips` elements: the table has [`render::firewall_hooks`] while
+    /// there are any.
+    firewalled: usize,
     /// Chains and sets to delete in a follow-up transaction (retried by later syncs if it fails).
     stale_chains: BTreeSet<String>,
     stale_sets: BTreeSet<String>,
@@ -103,18 +106,27 @@ impl<N: NfTables> Nftables<N> {
 /// Comment of the `return` rule that bypasses a base chain (read back by [`Backend::presence`]).
 const BYPASS_COMMENT: &str = "bypassed by switchyard";
 
-/// The fixed part of `family`'s table, with the bypass applied to base chains.
-fn base(settings: &Settings, family: IpFamily, bypassed: bool) -> ir::Ruleset {
+/// The fixed part of `family`'s table, with [`render::firewall_hooks`] if `firewalled` and the
+/// bypass applied to base chains.
+fn base(settings: &Settings, family: IpFamily, bypassed: bool, firewalled: bool) -> ir::Ruleset {
     let mut base = render::base(settings, family);
+    if firewalled {
+        render::add_firewall_hooks(&mut base);
+    }
     if bypassed {
-        for chain in base.chains.iter_mut().filter(|c| c.base.is_some()) {
-            chain.rules.insert(
-                0,
-                ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment(BYPASS_COMMENT),
-            );
-        }
+        base.chains.iter_mut().for_each(bypass);
     }
     base
+}
+
+/// Puts the bypass (`return`) first in `chain` if it is a base chain.
+fn bypass(chain: &mut ir::Chain) {
+    if chain.base.is_some() {
+        chain.rules.insert(
+            0,
+            ir::Rule::new(vec![ir::Expr::Verdict(ir::Verdict::Return)]).comment(BYPASS_COMMENT),
+        );
+    }
 }
 
 /// What the element index keeps per (set, key): a fingerprint of the element's value (verdict,
@@ -199,6 +211,7 @@ impl Table {
             fragments: BTreeMap::new(),
             elements: HashMap::new(),
             endpoint_maps: EndpointMaps::new(),
+            firewalled: 0,
             stale_chains: BTreeSet::new(),
             stale_sets: BTreeSet::new(),
             programmed: false,
@@ -210,6 +223,7 @@ impl Table {
         self.fragments.clear();
         self.elements.clear();
         self.endpoint_maps.clear();
+        self.firewalled = 0;
     }
 
     fn render_fragments(
@@ -263,8 +277,9 @@ impl Table {
         bypassed: bool,
         snapshot: &Snapshot,
     ) -> Result<SyncStats, BackendError> {
-        let mut base = base(settings, self.family, bypassed);
         let fragments = Self::render_fragments(settings, snapshot, None);
+        let firewalled = fragments.values().filter(|f| render::firewalls(f)).count();
+        let mut base = base(settings, self.family, bypassed, firewalled > 0);
         let mut endpoint_maps = EndpointMaps::new();
         for m in fragments.values().flat_map(render::endpoint_maps) {
             *endpoint_maps.entry(m).or_default() += 1;
@@ -334,6 +349,7 @@ impl Table {
         self.fragments = fragments;
         self.elements = elements;
         self.endpoint_maps = endpoint_maps;
+        self.firewalled = firewalled;
         self.programmed = true;
         self.delete_stale(nft)?;
         Ok(stats)
@@ -422,6 +438,45 @@ impl Table {
             .collect()
     }
 
+    /// Adds [`render::firewall_hooks`] when the first fragment with `firewall-ips` elements comes,
+    /// and empties them (deleted in the follow-up transaction) when the last one goes. Their rules
+    /// only jump to `firewall-check`, which always exists, so the order in the batch is free.
+    fn update_firewall_hooks<'a>(
+        &mut self,
+        batch: &mut Batch,
+        bypassed: bool,
+        removed: &[Fragment],
+        added: impl Iterator<Item = &'a Fragment>,
+    ) {
+        let before = self.firewalled;
+        let gone = removed.iter().filter(|f| render::firewalls(f)).count();
+        let came = added.filter(|f| render::firewalls(f)).count();
+        self.firewalled = (before + came).saturating_sub(gone);
+        let mut hooks = render::firewall_hooks();
+        if bypassed {
+            hooks.iter_mut().for_each(bypass);
+        }
+        match (before > 0, self.firewalled > 0) {
+            (false, true) => {
+                for chain in &hooks {
+                    self.stale_chains.remove(&chain.name);
+                    batch.add_chain(&chain.name, chain.base);
+                    batch.flush_chain(&chain.name);
+                    for rule in &chain.rules {
+                        batch.add_rule(&chain.name, rule);
+                    }
+                }
+            }
+            (true, false) => {
+                for chain in &hooks {
+                    batch.flush_chain(&chain.name);
+                    self.stale_chains.insert(chain.name.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Element reference counting: deletes what nobody wants any more, adds what is new or changed.
     fn element_changes(
         &mut self,
@@ -483,6 +538,7 @@ impl Table {
         &mut self,
         nft: &mut impl NfTables,
         settings: &Settings,
+        bypassed: bool,
         snapshot: &Snapshot,
         changes: &Changes,
     ) -> Result<SyncStats, BackendError> {
@@ -529,6 +585,7 @@ impl Table {
         }
         let stale_maps =
             self.update_endpoint_maps(&mut batch, settings.masquerade_mark, &removed, added.values());
+        self.update_firewall_hooks(&mut batch, bypassed, &removed, added.values());
         for chain in added.values().flat_map(|f| f.chains.iter()) {
             for rule in &chain.rules {
                 batch.add_rule(&chain.name, rule);
@@ -575,7 +632,7 @@ impl Table {
         let result = if full || !self.programmed {
             self.full_sync(nft, settings, bypassed, snapshot)
         } else {
-            self.partial_sync(nft, settings, snapshot, changes)
+            self.partial_sync(nft, settings, bypassed, snapshot, changes)
         };
         if result.is_err() {
             // Our view of the kernel is unknown now: the next sync must be full.
@@ -608,7 +665,7 @@ impl Table {
             return Ok(()); // the next full sync programs the base chains accordingly
         }
         let mut batch = Batch::new(self.family);
-        for chain in base(settings, self.family, bypassed)
+        for chain in base(settings, self.family, bypassed, self.firewalled > 0)
             .chains
             .iter()
             .filter(|c| c.base.is_some())
@@ -635,7 +692,7 @@ impl Table {
             .map_err(kernel)?
             .into_iter()
             .collect();
-        let mut desired: BTreeSet<String> = base(settings, self.family, bypassed)
+        let mut desired: BTreeSet<String> = base(settings, self.family, bypassed, self.firewalled > 0)
             .chains
             .iter()
             .chain(self.fragments.values().flat_map(|f| f.chains.iter()))

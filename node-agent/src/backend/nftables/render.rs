@@ -257,20 +257,6 @@ fn hook_chains(localhost: bool) -> Vec<Chain> {
     nat_output.extend(only_localhost(localhost_node_ports_rule));
     vec![
         base_chain(
-            "filter-prerouting-pre-dnat",
-            false,
-            Hook::Prerouting,
-            -110,
-            vec![jump_new("firewall-check")],
-        ),
-        base_chain(
-            "filter-output-pre-dnat",
-            false,
-            Hook::Output,
-            -110,
-            vec![jump_new("firewall-check")],
-        ),
-        base_chain(
             "filter-forward",
             false,
             Hook::Forward,
@@ -303,6 +289,44 @@ fn hook_chains(localhost: bool) -> Vec<Chain> {
     ]
 }
 
+/// The base chains that send new connections through `firewall-check` (loadBalancerSourceRanges),
+/// before DNAT. The table has them only while `firewall-ips` has elements ([`firewalls`]): every
+/// new connection on the node would otherwise pay a hook, a conntrack-state test and a map lookup
+/// that cannot match (measured in the README, issue 16, 2026-12-07). kube-proxy keeps them
+/// always; what they do is the same.
+pub fn firewall_hooks() -> Vec<Chain> {
+    vec![
+        base_chain(
+            "filter-prerouting-pre-dnat",
+            false,
+            Hook::Prerouting,
+            -110,
+            vec![jump_new("firewall-check")],
+        ),
+        base_chain(
+            "filter-output-pre-dnat",
+            false,
+            Hook::Output,
+            -110,
+            vec![jump_new("firewall-check")],
+        ),
+    ]
+}
+
+/// Whether `fragment` puts destinations into `firewall-ips` (so the table needs
+/// [`firewall_hooks`]).
+pub fn firewalls(fragment: &Fragment) -> bool {
+    fragment
+        .elements
+        .iter()
+        .any(|(set, _)| *set == sets::FIREWALL_IPS)
+}
+
+/// Puts [`firewall_hooks`] first among `ruleset`'s chains (where the base chains are).
+pub fn add_firewall_hooks(ruleset: &mut Ruleset) {
+    ruleset.chains.splice(0..0, firewall_hooks());
+}
+
 /// The filter checks of new connections: source ranges, destinations without endpoints,
 /// ClusterIP ports that are no service, and the shared reject.
 fn check_chains(settings: &Settings, family: IpFamily, nodeport_match: &[Expr]) -> Vec<Chain> {
@@ -326,25 +350,29 @@ fn check_chains(settings: &Settings, family: IpFamily, nodeport_match: &[Expr]) 
             ))],
         ),
         chain("cluster-ips-check", cluster_ips_check(settings, family)),
-        chain("reject-chain", {
-            let mut rules = fast_rejects(family, vec![]);
-            rules.push(
+        chain(
+            "reject-chain",
+            vec![
+                fast_reject(family),
                 Rule::new(vec![Expr::Reject])
                     .comment("helper for @no-endpoint-services / @no-endpoint-nodeports"),
-            );
-            rules
-        }),
+            ],
+        ),
     ]
 }
 
 /// `cluster-ips-check`: rejects traffic to ClusterIP ports that are no service, and drops
-/// traffic to the Service CIDRs' other addresses.
+/// traffic to the Service CIDRs' other addresses. Every new connection passes here after its
+/// DNAT, so the reject is one set lookup that `goto`s `reject-chain` (which picks the reject by
+/// protocol): no protocol test ahead of it for the connections that pass.
 fn cluster_ips_check(settings: &Settings, family: IpFamily) -> Vec<Rule> {
-    let cluster_ips = || Expr::DaddrInSet(sets::CLUSTER_IPS.into());
-    let mut rules = fast_rejects(family, vec![cluster_ips()]);
-    rules.push(
-        Rule::new(vec![cluster_ips(), Expr::Reject]).comment("Reject traffic to invalid ports of ClusterIPs"),
-    );
+    let mut rules = vec![
+        Rule::new(vec![
+            Expr::DaddrInSet(sets::CLUSTER_IPS.into()),
+            Expr::Verdict(Verdict::Goto("reject-chain".into())),
+        ])
+        .comment("Reject traffic to invalid ports of ClusterIPs"),
+    ];
     // The rest of the Service CIDRs: unallocated addresses, or Services another proxy
     // handles. Dropped here instead of routed out of the node (kube-proxy's rule; handled
     // ClusterIPs are DNATed before this filter priority, so only those reach it).
@@ -427,18 +455,14 @@ fn services_rules(settings: &Settings, family: IpFamily, nodeport_match: Vec<Exp
     rules
 }
 
-/// The [`crate::backend::fast_reject`] rule of `family`, with `matches` after its protocol
-/// match (so that other protocols' connections skip them: a set lookup in `cluster-ips-check`).
-fn fast_rejects(family: IpFamily, matches: Vec<Expr>) -> Vec<Rule> {
+/// The [`crate::backend::fast_reject`] rule of `family`.
+fn fast_reject(family: IpFamily) -> Rule {
     let (protocol, reject) = crate::backend::fast_reject(family);
     let reject = match reject {
         crate::backend::FastReject::TcpReset => Expr::RejectTcpReset,
         crate::backend::FastReject::ProtocolUnreachable => Expr::RejectProtocolUnreachable,
     };
-    let mut exprs = vec![Expr::L4Proto(protocol)];
-    exprs.extend(matches);
-    exprs.push(reject);
-    vec![Rule::new(exprs)]
+    Rule::new(vec![Expr::L4Proto(protocol), reject])
 }
 
 /// DNAT cascade over `eps`: endpoint j of n is taken with probability 1/(n-j) given the earlier
@@ -1039,6 +1063,9 @@ pub fn full(snapshot: &Snapshot, settings: &Settings) -> Ruleset {
         *maps.entry(m).or_default() += 1;
     }
     add_dispatch(&mut ruleset, &maps, settings);
+    if fragments.iter().any(firewalls) {
+        add_firewall_hooks(&mut ruleset);
+    }
     for frag in &fragments {
         merge(&mut ruleset, frag);
     }

@@ -712,3 +712,98 @@ fn partial_syncs_through_many_endpoint_counts_match_a_full_sync() {
     }
     assert!(stats[1..].iter().all(|s| !s.full), "{stats:?}");
 }
+
+/// The pre-DNAT hooks to `firewall-check` exist only while a destination has source ranges: a
+/// partial sync adds them with the first such Service and removes them with the last, bypassed
+/// or not, and each state lists as a full sync of it does.
+#[test]
+fn firewall_hooks_come_and_go_with_source_ranges() {
+    let (mut snap, settings) = dual_scenario();
+    let lb = snap
+        .v4
+        .services
+        .keys()
+        .find(|k| &*k.service.name == "lb")
+        .expect("lb")
+        .clone();
+    let ranges = |snap: &mut crate::model::DualSnapshot, on: bool| {
+        for (s, range) in [
+            (&mut snap.v4, "203.0.113.0/25"),
+            (&mut snap.v6, "2001:db8:113::/60"),
+        ] {
+            let port = s.services.get_mut(&lb).expect("lb port");
+            port.load_balancer_source_ranges = if on {
+                vec![range.parse().expect("net")]
+            } else {
+                Vec::new()
+            };
+        }
+    };
+    let hooks = |listing: &str| {
+        ["filter-prerouting-pre-dnat", "filter-output-pre-dnat"]
+            .iter()
+            .filter(|c| listing.contains(&format!("chain {c} {{")))
+            .count()
+    };
+    ranges(&mut snap, false);
+    let ns = TestNetns::new("nft-fw-hooks");
+    let mut backend = NftablesBackend::new(settings.clone());
+    // (source ranges on, bypassed, full sync) per step.
+    let steps = [
+        (false, false, true),
+        (true, false, false),
+        (false, false, false),
+        (true, true, false),
+        (false, true, false),
+        (true, true, false),
+    ];
+    for (i, (on, bypassed, full)) in steps.into_iter().enumerate() {
+        ranges(&mut snap, on);
+        let changes = Changes {
+            services: [lb.service.clone()].into_iter().collect(),
+        };
+        let (result, b) = ns.run({
+            let snap = snap.clone();
+            move || {
+                let r = backend
+                    .set_bypass(bypassed)
+                    .and_then(|()| backend.sync(&snap, &changes, full))
+                    .map_err(|e| e.to_string());
+                (r, backend)
+            }
+        });
+        backend = b;
+        let stats = result.unwrap_or_else(|e| panic!("step {i}: {e}"));
+        assert_eq!(stats.full, full, "step {i}");
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let listed = list(&ns, family);
+            assert_eq!(
+                hooks(&listed),
+                if on { 2 } else { 0 },
+                "step {i} {family:?}:\n{listed}"
+            );
+            if on {
+                let body = &listed[listed.find("chain filter-output-pre-dnat {").expect("hook")..];
+                let first = body.lines().nth(2).unwrap_or_default().trim().to_owned();
+                assert_eq!(
+                    first.starts_with("return"),
+                    bypassed,
+                    "step {i} {family:?}: first rule {first}"
+                );
+            }
+        }
+        let oracle = fully_synced("nft-fw-oracle", &snap, &settings);
+        if !bypassed {
+            assert_eq!(
+                sorted_blocks(&list(&ns, IpFamily::V4)),
+                sorted_blocks(&list(&oracle, IpFamily::V4)),
+                "step {i}"
+            );
+        }
+        let drift = ns.run({
+            let b = &backend;
+            move || b.verify().map_err(|e| e.to_string())
+        });
+        assert_eq!(drift, Ok(Vec::new()), "verify after step {i}");
+    }
+}
