@@ -8,9 +8,13 @@
 //! queries for one map element (ours) or one chain (kube-proxy's) in nftables mode, `iptables -S`
 //! of the service chain in iptables mode.
 //!
+//! Beside each proxy a [`bare_watch::BareWatcher`] times when the apiserver delivers each timed
+//! write's event to a client that does nothing else: the apiserver's share of the latency.
+//!
 //! [`fleet`] is the operator at fleet scale (thousands of Nodes and NodeProxies, played agents).
 //! `src/bin/api-bench.rs` prints the tables; `tests/api_bench.rs` runs the 1k row as a smoke check.
 
+pub mod bare_watch;
 pub mod first_packet;
 pub mod fleet;
 pub mod lists;
@@ -28,6 +32,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{Api, Client, api::PostParams};
 use serde_json::json;
 
+use self::bare_watch::BareWatcher;
 use crate::{
     Error, Result,
     agent::{self, Agent},
@@ -587,6 +592,8 @@ pub struct ProxyRun {
     pub check_ms: f64,
     /// The round trip of each timed API write (its part of the API write → kernel latency), ms.
     pub write_ms: Vec<f64>,
+    /// Per timed write (as `write_ms`), ms from the write to its event at a bare watcher.
+    pub event_ms: Vec<f64>,
     /// Objects in the kernel after the first sync.
     pub counts: Counts,
     /// (ClusterIPs, endpoints) found and expected at start-up.
@@ -609,6 +616,17 @@ impl ProxyRun {
             .chain(&self.change_ms)
             .zip(&self.write_ms)
             .map(|(total, write)| (total - write).max(0.0))
+            .collect()
+    }
+
+    /// Per latency sample (as [`Self::after_write_ms`]), the kernel's time minus the bare
+    /// watcher's event's, ms: the proxy's own share (negative when its watch was served first).
+    pub fn after_event_ms(&self) -> Vec<f64> {
+        self.add_ms
+            .iter()
+            .chain(&self.change_ms)
+            .zip(&self.event_ms)
+            .map(|(total, event)| total - event)
             .collect()
     }
 }
@@ -875,7 +893,12 @@ struct Spent {
     checking: Duration,
     /// Each timed API write's own round trip, ms.
     writes_ms: Vec<f64>,
+    /// Each timed write's event at the bare watcher, ms after the write began.
+    events_ms: Vec<f64>,
 }
+
+/// The bare watcher's wait for one timed write's event (it is normally there already).
+const EVENT_LIMIT: Duration = Duration::from_secs(60);
 
 /// Waits until `programmed(svc, eps)`, polling every `period`; ms from `since`.
 fn await_change(
@@ -910,6 +933,7 @@ async fn sample_adds(
     model: &mut Model,
     opts: &RunOpts,
     spent: &mut Spent,
+    bare: &mut BareWatcher,
 ) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(opts.samples);
     for _ in 0..opts.samples {
@@ -920,6 +944,12 @@ async fn sample_adds(
         put_service(client, &svc).await?;
         spent.writes_ms.push(ms(t.elapsed()));
         out.push(await_change(proxy, netns, &svc, &svc.eps, t, opts.period, spent)?);
+        let event = bare
+            .await_event(t, EVENT_LIMIT, &svc.name, |s| {
+                s.kind == "Service" && s.name == svc.name
+            })
+            .await?;
+        spent.events_ms.push(event);
     }
     Ok(out)
 }
@@ -932,6 +962,7 @@ async fn sample_changes(
     model: &mut Model,
     opts: &RunOpts,
     spent: &mut Spent,
+    bare: &mut BareWatcher,
 ) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(opts.samples);
     let n = model.services.len();
@@ -947,6 +978,13 @@ async fn sample_changes(
         update_slice(client, &svc).await?;
         spent.writes_ms.push(ms(t.elapsed()));
         out.push(await_change(proxy, netns, &svc, &[new], t, opts.period, spent)?);
+        let (slice, address) = (format!("{}-slice", svc.name), new.to_string());
+        let event = bare
+            .await_event(t, EVENT_LIMIT, &slice, |s| {
+                s.kind == "EndpointSlice" && s.name == slice && s.addresses.contains(&address)
+            })
+            .await?;
+        spent.events_ms.push(event);
     }
     Ok(out)
 }
@@ -1026,9 +1064,11 @@ pub async fn run_proxy(
         None => Vec::new(),
     };
     let mut spent = Spent::default();
-    let add_ms = sample_adds(client, proxy, &node.netns, model, opts, &mut spent).await?;
+    let mut bare = BareWatcher::start(client).await?;
+    let add_ms = sample_adds(client, proxy, &node.netns, model, opts, &mut spent, &mut bare).await?;
     let (before, partial0) = (sys::usage(pid)?, partial_metric(&node.netns));
-    let change_ms = sample_changes(client, proxy, &node.netns, model, opts, &mut spent).await?;
+    let change_ms = sample_changes(client, proxy, &node.netns, model, opts, &mut spent, &mut bare).await?;
+    drop(bare);
     let (after, partial1) = (sys::usage(pid)?, partial_metric(&node.netns));
     let idle_cpu_s = if opts.idle.is_zero() {
         None
@@ -1061,6 +1101,7 @@ pub async fn run_proxy(
         partial_sync,
         check_ms: ms(spent.checking) / f64::from(spent.checks.max(1)),
         write_ms: spent.writes_ms,
+        event_ms: spent.events_ms,
         counts,
         found,
         at_end,

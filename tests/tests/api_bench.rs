@@ -77,6 +77,13 @@ async fn api_bench_1k_every_rule_and_change_reaches_the_kernel() {
         assert_eq!(r.add_ms.len(), SAMPLES, "{label}: new-Service samples");
         assert_eq!(r.change_ms.len(), SAMPLES, "{label}: endpoint-change samples");
         assert!(r.first_sync.is_some(), "{label}: its sync-duration metric");
+        // Each timed write's event reached the bare watcher, after the write began.
+        assert_eq!(r.event_ms.len(), 2 * SAMPLES, "{label}: bare watcher events");
+        assert!(
+            r.event_ms.iter().all(|&ms| ms > 0.0 && ms.is_finite()),
+            "{label}: bare watcher events {:?}",
+            r.event_ms
+        );
         if let Proxy::Switchyard(_) = proxy {
             // The agent logs both lists and its first full sync (the bench's start-up breakdown).
             let t = r

@@ -215,6 +215,22 @@ fn lines() -> Vec<(&'static str, Vec<Extract>, usize)> {
             0,
         ),
         (
+            "API write → its event at a bare watcher, both kinds, p50 / p99 (ms)",
+            vec![
+                (|r: &ProxyRun| scale::quantile(&r.event_ms, 0.5)) as Extract,
+                (|r: &ProxyRun| scale::quantile(&r.event_ms, 0.99)) as Extract,
+            ],
+            0,
+        ),
+        (
+            "both kinds from the bare watcher's event → kernel p50 / p99 (ms)",
+            vec![
+                (|r: &ProxyRun| scale::quantile(&r.after_event_ms(), 0.5)) as Extract,
+                (|r: &ProxyRun| scale::quantile(&r.after_event_ms(), 0.99)) as Extract,
+            ],
+            0,
+        ),
+        (
             "own partial-sync metric per endpoint change (ms)",
             vec![(|r: &ProxyRun| r.partial_sync.map_or(f64::NAN, |p| p.0)) as Extract],
             1,
