@@ -619,13 +619,23 @@ impl ProxyRun {
             .collect()
     }
 
-    /// Per latency sample (as [`Self::after_write_ms`]), the kernel's time minus the bare
-    /// watcher's event's, ms: the proxy's own share (negative when its watch was served first).
-    pub fn after_event_ms(&self) -> Vec<f64> {
-        self.add_ms
+    /// The bare watcher's event times of the new Services (`adds`) or the endpoint changes, ms.
+    pub fn event_ms_of(&self, adds: bool) -> &[f64] {
+        let n = self.add_ms.len().min(self.event_ms.len());
+        if adds {
+            &self.event_ms[..n]
+        } else {
+            &self.event_ms[n..]
+        }
+    }
+
+    /// Per new Service (`adds`) or endpoint change, the kernel's time minus the bare watcher's
+    /// event's, ms: the proxy's own share (negative when its watch was served first).
+    pub fn after_event_ms(&self, adds: bool) -> Vec<f64> {
+        let kernel = if adds { &self.add_ms } else { &self.change_ms };
+        kernel
             .iter()
-            .chain(&self.change_ms)
-            .zip(&self.event_ms)
+            .zip(self.event_ms_of(adds))
             .map(|(total, event)| total - event)
             .collect()
     }
