@@ -18,7 +18,8 @@ for _ in $(seq 1 3600); do
   for ns in $(ip netns list | awk '{print $1}'); do
     for table in switchyard kube-proxy; do
       listing=$(ip netns exec "$ns" nft list table ip "$table" 2>/dev/null) || continue
-      kept=$(wc -l <"$out-$table.nft" 2>/dev/null || echo 0)
+      kept=0
+      [ -f "$out-$table.nft" ] && kept=$(wc -l <"$out-$table.nft")
       if [ "$(wc -l <<<"$listing")" -gt "$kept" ]; then
         printf '%s\n' "$listing" >"$out-$table.nft"
       fi
