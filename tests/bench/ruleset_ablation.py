@@ -167,6 +167,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--sender", choices=("rust", "python"), default="rust")
     args = parser.parse_args()
+    if args.sender == "rust" and not os.access(SYN_COST, os.X_OK):
+        raise SystemExit(
+            f"{SYN_COST} is missing: cargo build --release -p switchyard-e2e --bin syn-cost (or --sender python)"
+        )
     if args.rounds:
         rounds(args)
         return
