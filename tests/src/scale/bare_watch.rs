@@ -58,8 +58,8 @@ impl BareWatcher {
         let services: Api<Service> = Api::namespaced(client.clone(), "default");
         let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
         let tasks = vec![
-            spawn_watch(services, tx.clone(), |_| Vec::new()).await?,
-            spawn_watch(slices, tx, |s: &EndpointSlice| {
+            spawn_watch(services, "Service", tx.clone(), |_| Vec::new()).await?,
+            spawn_watch(slices, "EndpointSlice", tx, |s: &EndpointSlice| {
                 s.endpoints.iter().flat_map(|e| e.addresses.clone()).collect()
             })
             .await?,
@@ -96,18 +96,13 @@ impl BareWatcher {
 /// ends; it stops when the receiver is gone, a watch cannot be made, or after [`MAX_WATCHES`].
 async fn spawn_watch<K>(
     api: Api<K>,
+    kind: &'static str,
     tx: mpsc::UnboundedSender<Seen>,
     addresses: fn(&K) -> Vec<String>,
 ) -> Result<JoinHandle<()>>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
-    K::DynamicType: Default,
 {
-    let kind = if K::kind(&K::DynamicType::default()) == "Service" {
-        "Service"
-    } else {
-        "EndpointSlice"
-    };
     let listed = api.list_metadata(&ListParams::default().limit(1)).await?;
     let mut version = listed.metadata.resource_version.unwrap_or_default();
     let params = WatchParams::default().timeout(290);

@@ -197,6 +197,29 @@ fn partial_sync_touches_only_changed_services_and_cleanup_removes_everything() {
     assert_eq!(ns.sh(&["nft", "list", "ruleset"]).trim(), "");
 }
 
+/// `ns`'s IPv4 table lists as a fresh full sync of `snap` does (after `what`), the full sync made
+/// in namespace `oracle_tag` (unique per test: tests run in parallel).
+fn assert_like_a_full_sync(
+    ns: &TestNetns,
+    oracle_tag: &str,
+    snap: &crate::model::DualSnapshot,
+    settings: &Settings,
+    what: &str,
+) {
+    let oracle = fully_synced(oracle_tag, snap, settings);
+    assert_eq!(
+        sorted_blocks(&list(ns, IpFamily::V4)),
+        sorted_blocks(&list(&oracle, IpFamily::V4)),
+        "after the partial sync of {what}"
+    );
+}
+
+/// `backend.verify()` in `ns` finds no drift (after `what`).
+fn assert_no_drift(ns: &TestNetns, backend: &NftablesBackend, what: &str) {
+    let drift = ns.run(move || backend.verify().map_err(|e| e.to_string()));
+    assert_eq!(drift, Ok(Vec::new()), "verify after {what}");
+}
+
 /// Such a service needs no chain or rule of its own (adding one, or changing its endpoints, adds
 /// and deletes elements only): its verdict-map elements go to the shared count chains.
 #[test]
@@ -698,17 +721,9 @@ fn partial_syncs_through_many_endpoint_counts_match_a_full_sync() {
         });
         backend = b;
         stats.push(result.unwrap_or_else(|e| panic!("sync to {count} endpoints: {e}")));
-        let oracle = fully_synced("nft-counts-oracle", &snap, &settings);
-        assert_eq!(
-            sorted_blocks(&list(&ns, IpFamily::V4)),
-            sorted_blocks(&list(&oracle, IpFamily::V4)),
-            "after the partial sync to {count} endpoints"
-        );
-        let drift = ns.run({
-            let b = &backend;
-            move || b.verify().map_err(|e| e.to_string())
-        });
-        assert_eq!(drift, Ok(Vec::new()), "verify after {count} endpoints");
+        let what = format!("{count} endpoints");
+        assert_like_a_full_sync(&ns, "nft-counts-oracle", &snap, &settings, &what);
+        assert_no_drift(&ns, &backend, &format!("{count} endpoints"));
     }
     assert!(stats[1..].iter().all(|s| !s.full), "{stats:?}");
 }
@@ -792,18 +807,9 @@ fn firewall_hooks_come_and_go_with_source_ranges() {
                 );
             }
         }
-        let oracle = fully_synced("nft-fw-oracle", &snap, &settings);
         if !bypassed {
-            assert_eq!(
-                sorted_blocks(&list(&ns, IpFamily::V4)),
-                sorted_blocks(&list(&oracle, IpFamily::V4)),
-                "step {i}"
-            );
+            assert_like_a_full_sync(&ns, "nft-fw-oracle", &snap, &settings, &format!("step {i}"));
         }
-        let drift = ns.run({
-            let b = &backend;
-            move || b.verify().map_err(|e| e.to_string())
-        });
-        assert_eq!(drift, Ok(Vec::new()), "verify after step {i}");
+        assert_no_drift(&ns, &backend, &format!("step {i}"));
     }
 }
