@@ -374,19 +374,29 @@ impl ControlPlane {
         self.wait_crds_established()
     }
 
-    /// Waits until Switchyard's CRDs are established (however they were installed).
+    /// Waits until Switchyard's CRDs are established (however they were installed). `kubectl
+    /// wait` fails at once, instead of waiting, on a CRD read before the apiserver wrote its
+    /// first `status.conditions` ("accessor error: <nil>"): that answer is asked again, up to
+    /// 20 times 0.5 s apart; any other failure is returned.
     pub fn wait_crds_established(&self) -> Result<()> {
-        self.kubectl_ok(
-            &[
-                "wait",
-                "--for=condition=Established",
-                "--timeout=60s",
-                "crd/proxypolicies.switchyard.dev",
-                "crd/nodeproxies.switchyard.dev",
-            ],
-            None,
-        )?;
-        Ok(())
+        let args = [
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/proxypolicies.switchyard.dev",
+            "crd/nodeproxies.switchyard.dev",
+        ];
+        let mut tries = 0;
+        loop {
+            match self.kubectl_ok(&args, None) {
+                Ok(_) => return Ok(()),
+                Err(e) if tries < 20 && e.to_string().contains("accessor error: <nil>") => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 

@@ -11,10 +11,13 @@
 //! Beside each proxy a [`bare_watch::BareWatcher`] times when the apiserver delivers each timed
 //! write's event to a client that does nothing else: the apiserver's share of the latency.
 //!
+//! [`create_cost`] times the apiserver's own Service create, with a ClusterIP and headless.
+//!
 //! [`fleet`] is the operator at fleet scale (thousands of Nodes and NodeProxies, played agents).
 //! `src/bin/api-bench.rs` prints the tables; `tests/api_bench.rs` runs the 1k row as a smoke check.
 
 pub mod bare_watch;
+pub mod create_cost;
 pub mod first_packet;
 pub mod fleet;
 pub mod lists;
@@ -1028,6 +1031,7 @@ pub async fn run_proxy(
     })?;
     let first_sync = first_sync_metric(proxy, &node.netns).await;
     let listing = full_listing(proxy, &node.netns)?;
+    keep_ruleset(&listing, proxy, model.services.len());
     let counts = count_objects(&listing, proxy.mode());
     let found = (
         coverage(&rules_listing(proxy, &node.netns)?, model),
@@ -1138,6 +1142,27 @@ fn keep_log(running: &Running, proxy: Proxy) {
     let path = std::path::Path::new(&dir).join(format!("{}-{stamp}.log", proxy.label().replace(' ', "-")));
     if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text)) {
         eprintln!("keeping the proxy's log at {}: {e}", path.display());
+    }
+}
+
+/// Names the directory where each run's ruleset is written once all its rules are in (for
+/// `tests/bench/ruleset_ablation.py`): taken then, no listing competes with the start-up timed.
+pub const KEEP_RULESETS_ENV: &str = "SWITCHYARD_BENCH_RULESETS";
+
+/// Writes `listing` (the proxy's IPv4 table or save) to [`KEEP_RULESETS_ENV`]'s directory as
+/// `<label>-<services>.nft` (`.save` for iptables); a failure is printed and the run goes on.
+fn keep_ruleset(listing: &str, proxy: Proxy, services: usize) {
+    let Some(dir) = std::env::var_os(KEEP_RULESETS_ENV) else {
+        return;
+    };
+    let ext = match proxy.mode() {
+        Mode::Nftables => "nft",
+        Mode::Iptables(_) => "save",
+    };
+    let path =
+        std::path::Path::new(&dir).join(format!("{}-{services}.{ext}", proxy.label().replace(' ', "-")));
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, listing)) {
+        eprintln!("keeping the proxy's ruleset at {}: {e}", path.display());
     }
 }
 

@@ -46,6 +46,20 @@ async fn api_bench_1k_every_rule_and_change_reaches_the_kernel() {
             "protobuf list smaller than JSON: {sizes:?}"
         );
     }
+    // The apiserver's own create of each kind: every sample timed, each probe Service deleted
+    // again (the proxies below must see the loaded 1k only).
+    let cost = scale::create_cost::measure(&client, 3)
+        .await
+        .expect("time Service creates");
+    println!("{}", cost.describe());
+    assert_eq!((cost.with_cluster_ip.len(), cost.headless.len()), (3, 3));
+    assert!(
+        cost.with_cluster_ip
+            .iter()
+            .chain(&cost.headless)
+            .all(|ms| *ms > 0.0),
+        "every create timed: {cost:?}"
+    );
     let opts = RunOpts {
         samples: SAMPLES,
         gap: Duration::from_millis(1100),

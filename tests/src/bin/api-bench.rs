@@ -15,7 +15,8 @@
 //! per repetition; cells are medians over the repetitions (each run's first-packet cells are also
 //! printed, for pairing runs). After loading a row it prints the apiserver's own time to serve both
 //! start-up lists ([`scale::lists`]). With `SWITCHYARD_BENCH_LOGS=<dir>` each run's proxy log is
-//! copied there. Ctrl-C or SIGTERM stops it and removes what it started. Run
+//! copied there; with `SWITCHYARD_BENCH_RULESETS=<dir>` each run's ruleset, listed once all its
+//! rules are in (for `tests/bench/ruleset_ablation.py`). Ctrl-C or SIGTERM stops it and removes what it started. Run
 //! as root, with the workspace's
 //! binaries built in the same profile (`cargo build --release --bins` for `--release`).
 
@@ -417,6 +418,9 @@ async fn bench_row(a: &Args, n: usize, (lo, hi): (usize, usize), proxies: &[Prox
             lists::describe(encoding, &fetches)
         );
     }
+    // What bounds "+1 Service" for every proxy: the create itself, at this size.
+    let cost = scale::create_cost::measure(&client, a.samples).await?;
+    println!("{}", cost.describe());
     let opts = RunOpts {
         samples: a.samples,
         gap: Duration::from_millis(a.gap_ms),
