@@ -182,14 +182,19 @@ pub async fn update_slice(client: &Client, svc: &BenchSvc) -> Result<()> {
     Ok(())
 }
 
+/// A benchmark Service `default/<name>` (port `http` 80/TCP → 8080, no selector) with
+/// `cluster_ip` (an address, or `None` for a headless one).
+fn bench_service(name: &str, cluster_ip: &str) -> Result<Service> {
+    let body = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"clusterIP": cluster_ip, "ports": [
+            {"name": "http", "port": PORT, "targetPort": TARGET_PORT, "protocol": "TCP"}]}});
+    serde_json::from_value(body).map_err(|e| Error::Prerequisite(format!("Service {name}: {e}")))
+}
+
 /// Creates `svc`'s Service (POST; no selector: its slice is ours to write).
 pub async fn put_service(client: &Client, svc: &BenchSvc) -> Result<()> {
-    let body = json!({"apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": svc.name, "namespace": "default"},
-        "spec": {"clusterIP": svc.cluster_ip.to_string(), "ports": [
-            {"name": "http", "port": PORT, "targetPort": TARGET_PORT, "protocol": "TCP"}]}});
-    let service: Service = serde_json::from_value(body)
-        .map_err(|e| Error::Prerequisite(format!("Service {}: {e}", svc.name)))?;
+    let service = bench_service(&svc.name, &svc.cluster_ip.to_string())?;
     let api: Api<Service> = Api::namespaced(client.clone(), "default");
     api.create(&PostParams::default(), &service).await?;
     Ok(())

@@ -635,16 +635,7 @@ async fn kustomize_default_and_the_samples_apply() {
     ] {
         assert!(out.contains(want), "{want} missing:\n{out}");
     }
-    cp.kubectl_ok(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/proxypolicies.switchyard.dev",
-        ],
-        None,
-    )
-    .expect("established");
+    cp.wait_crds_established().expect("established");
     let samples: PathBuf = root.join("config/samples");
     let out = cp
         .kubectl_ok(

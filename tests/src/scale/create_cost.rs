@@ -1,21 +1,20 @@
 //! The apiserver's own cost of creating a Service at the loaded size, with a ClusterIP and
-//! headless: what bounds "+1 Service: API write → kernel" for every proxy. In v1.37 each
-//! ClusterIP allocation (the IPAddress allocator, `pkg/registry/core/service/ipallocator`)
-//! recounts the addresses in use by listing every IPAddress object, so the create's round trip
-//! grows with the Services already there; a headless Service allocates nothing. Measured before
+//! headless: what bounds "+1 Service: API write → kernel" for every proxy. In upstream's IPAddress
+//! allocator (`pkg/registry/core/service/ipallocator`, read on master, not at the v1.37.2 tag)
+//! each ClusterIP allocation recounts the addresses in use by listing every IPAddress object, so
+//! the create's round trip grows with the Services already there; a headless Service allocates
+//! nothing. Measured before
 //! any proxy runs: sequential creates, kinds interleaved, each Service deleted right after.
 
 use std::time::Instant;
 
+use super::{bench_service, cluster_ip};
+use crate::{Error, Result};
 use k8s_openapi::api::core::v1::Service;
 use kube::{
     Api, Client,
     api::{DeleteParams, PostParams},
 };
-use serde_json::json;
-
-use super::{PORT, TARGET_PORT, cluster_ip};
-use crate::{Error, Result};
 
 /// The first ClusterIP index the probes use: past the loaded rows (≤ 44k) and the added
 /// Services (from 60,000), inside 10.96.0.0/16.
@@ -28,14 +27,6 @@ pub struct CreateCost {
     pub with_cluster_ip: Vec<f64>,
     /// Headless Services (`clusterIP: None`: nothing allocated).
     pub headless: Vec<f64>,
-}
-
-fn probe_service(name: &str, cluster_ip: &str) -> Result<Service> {
-    serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"clusterIP": cluster_ip, "ports": [
-            {"name": "http", "port": PORT, "targetPort": TARGET_PORT, "protocol": "TCP"}]}}))
-    .map_err(|e| Error::Prerequisite(format!("Service {name}: {e}")))
 }
 
 /// Creates `service`, times the create's round trip (ms), then deletes it.
@@ -56,9 +47,9 @@ pub async fn measure(client: &Client, samples: usize) -> Result<CreateCost> {
         let index =
             PROBE_BASE + u32::try_from(k).map_err(|_| Error::Prerequisite("too many samples".into()))?;
         let ip = cluster_ip(index).to_string();
-        let allocated = probe_service(&format!("probe-cip-{k}"), &ip)?;
+        let allocated = bench_service(&format!("probe-cip-{k}"), &ip)?;
         cost.with_cluster_ip.push(timed_create(&api, &allocated).await?);
-        let headless = probe_service(&format!("probe-headless-{k}"), "None")?;
+        let headless = bench_service(&format!("probe-headless-{k}"), "None")?;
         cost.headless.push(timed_create(&api, &headless).await?);
     }
     Ok(cost)
